@@ -1,0 +1,39 @@
+# kvroute — the two commands a newcomer needs:
+#   make up     set up the project-local venv, then run the gateway + local workers
+#   make test   set up the project-local venv, then run the test suite
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+WORKERS ?= 4
+ARGS ?=
+
+.PHONY: venv up test test-slow test-all bench clean
+
+# torch==2.13.0 (extra `worker`) resolves to the CPU wheel on this machine's disk;
+# it is pinned so pip never pulls a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,worker]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+up: $(STAMP)
+	$(VENV)/bin/kvroute up --workers $(WORKERS) $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest $(ARGS)
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -m slow $(ARGS)
+
+test-all: $(STAMP)
+	$(PY) -m pytest -m '' $(ARGS)
+
+bench: $(STAMP)
+	@for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

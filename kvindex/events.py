@@ -1,0 +1,328 @@
+"""The KV-event wire codec, in vLLM's format (DESIGN.md §4.2).
+
+A publisher sends ZMQ multipart frames `(topic, seq: 8-byte big-endian, payload)`;
+the payload is msgpack of an event batch `(ts, events, data_parallel_rank)`.
+Releases disagree on the encoding, so decoding accepts every combination seen:
+
+- the batch as a positional array `[ts, events, dp_rank]` or as a map;
+- each event as a tagged positional array `["BlockStored", hashes, parent, ...]`
+  (older releases) or as a map with a `"type"` key (newer ones);
+- trailing fields absent (older releases stop after `lora_id` or `medium`);
+- block hashes as 64-bit ints or as bytes.
+
+Decoding is msgspec's (C) on the fast path: the whole batch in one typed call.
+If that fails, the batch is decoded event by event so one bad event costs only
+itself; the bad ones are reported in `DecodedBatch.errors`, never raised.
+
+Encoding reproduces vLLM's struct layout byte for byte (field order, tags,
+`omit_defaults`), so a subscriber built for vLLM reads our workers unchanged.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import msgspec
+
+BlockHash = Union[int, bytes]
+
+# --------------------------------------------------------------------------- #
+# Decoded form (lenient: every field that some release omits has a default).   #
+# --------------------------------------------------------------------------- #
+
+
+class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class BlockRemoved(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    block_hashes: list[BlockHash]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+class AllBlocksCleared(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    pass
+
+
+KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+
+
+class _BlockStoredPos(msgspec.Struct, tag="BlockStored", array_like=True, gc=False):
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class _BlockRemovedPos(msgspec.Struct, tag="BlockRemoved", array_like=True, gc=False):
+    block_hashes: list[BlockHash]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+class _AllBlocksClearedPos(msgspec.Struct, tag="AllBlocksCleared", array_like=True, gc=False):
+    pass
+
+
+_PosEvent = Union[_BlockStoredPos, _BlockRemovedPos, _AllBlocksClearedPos]
+
+
+class _BatchArrMap(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[KVEvent]
+    data_parallel_rank: int | None = None
+
+
+class _BatchArrPos(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[_PosEvent]
+    data_parallel_rank: int | None = None
+
+
+class _BatchMapMap(msgspec.Struct, gc=False):
+    ts: float
+    events: list[KVEvent]
+    data_parallel_rank: int | None = None
+
+
+class _BatchMapPos(msgspec.Struct, gc=False):
+    ts: float
+    events: list[_PosEvent]
+    data_parallel_rank: int | None = None
+
+
+class _BatchArrRaw(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[msgspec.Raw]
+    data_parallel_rank: int | None = None
+
+
+class _BatchMapRaw(msgspec.Struct, gc=False):
+    ts: float
+    events: list[msgspec.Raw]
+    data_parallel_rank: int | None = None
+
+
+def _to_public(ev: Any) -> KVEvent:
+    if isinstance(ev, _BlockStoredPos):
+        return BlockStored(
+            ev.block_hashes,
+            ev.parent_block_hash,
+            ev.token_ids,
+            ev.block_size,
+            ev.lora_id,
+            ev.medium,
+            ev.lora_name,
+            ev.extra_keys,
+            ev.group_idx,
+            ev.kv_cache_spec_kind,
+            ev.kv_cache_spec_sliding_window,
+        )
+    if isinstance(ev, _BlockRemovedPos):
+        return BlockRemoved(ev.block_hashes, ev.medium, ev.group_idx)
+    if isinstance(ev, _AllBlocksClearedPos):
+        return AllBlocksCleared()
+    return ev
+
+
+@dataclass(slots=True)
+class DecodedBatch:
+    """One payload's events, in order, plus what could not be decoded."""
+
+    ts: float
+    events: list[KVEvent]
+    data_parallel_rank: int | None = None
+    errors: list[str] = field(default_factory=list)
+
+
+class EventDecodeError(ValueError):
+    """The payload as a whole is not an event batch (bad msgpack or wrong shape)."""
+
+
+def _is_array(buf: bytes | memoryview) -> bool:
+    if not buf:
+        return False
+    b = buf[0]
+    return 0x90 <= b <= 0x9F or b in (0xDC, 0xDD)
+
+
+class EventDecoder:
+    """Decodes payloads of any supported encoding; reusable, not thread-safe."""
+
+    def __init__(self) -> None:
+        dec = msgspec.msgpack.Decoder
+        self._fast = {
+            (True, False): dec(_BatchArrMap),
+            (True, True): dec(_BatchArrPos),
+            (False, False): dec(_BatchMapMap),
+            (False, True): dec(_BatchMapPos),
+        }
+        self._raw = {True: dec(_BatchArrRaw), False: dec(_BatchMapRaw)}
+        self._ev_map = dec(KVEvent)
+        self._ev_pos = dec(_PosEvent)
+        # The encoding a publisher used last time: tried first next time.
+        self._last_events_pos = False
+
+    def decode(self, payload: bytes | memoryview) -> DecodedBatch:
+        batch_arr = _is_array(payload)
+        for events_pos in (self._last_events_pos, not self._last_events_pos):
+            try:
+                b = self._fast[(batch_arr, events_pos)].decode(payload)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                continue
+            self._last_events_pos = events_pos
+            events = [_to_public(e) for e in b.events] if events_pos else b.events
+            return DecodedBatch(b.ts, events, b.data_parallel_rank)
+        return self._decode_slow(payload, batch_arr)
+
+    def _decode_slow(self, payload: bytes | memoryview, batch_arr: bool) -> DecodedBatch:
+        try:
+            raw = self._raw[batch_arr].decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise EventDecodeError(f"not an event batch: {e}") from None
+        out = DecodedBatch(raw.ts, [], raw.data_parallel_rank)
+        for i, r in enumerate(raw.events):
+            dec = self._ev_pos if _is_array(memoryview(r)) else self._ev_map
+            try:
+                out.events.append(_to_public(dec.decode(r)))
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                out.errors.append(f"event {i}: {e}")
+        return out
+
+
+# --------------------------------------------------------------------------- #
+# Encoded form: vLLM's exact layout.                                           #
+# --------------------------------------------------------------------------- #
+
+
+class _WireStored(msgspec.Struct, tag="BlockStored", omit_defaults=True, gc=False):
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class _WireRemoved(msgspec.Struct, tag="BlockRemoved", omit_defaults=True, gc=False):
+    block_hashes: list[BlockHash]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class _WireCleared(msgspec.Struct, tag="AllBlocksCleared", omit_defaults=True, gc=False):
+    pass
+
+
+class _WireStoredPos(msgspec.Struct, tag="BlockStored", array_like=True, omit_defaults=True, gc=False):
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+
+
+class _WireRemovedPos(msgspec.Struct, tag="BlockRemoved", array_like=True, omit_defaults=True, gc=False):
+    block_hashes: list[BlockHash]
+    medium: str | None
+
+
+class _WireClearedPos(msgspec.Struct, tag="AllBlocksCleared", array_like=True, omit_defaults=True, gc=False):
+    pass
+
+
+class _WireBatchArr(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class _WireBatchMap(msgspec.Struct, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class EventEncoder:
+    """Encodes batches as vLLM does.
+
+    `positional=False` (default): events as maps with a `type` tag, the batch as
+    `[ts, events, dp_rank]` — what vLLM 0.32 sends. `positional=True`: the older
+    releases' tagged arrays (fields up to `medium`). `batch_map=True` encodes the
+    batch itself as a map, as vLLM's newest `EventBatch` struct does.
+    """
+
+    def __init__(self, positional: bool = False, batch_map: bool = False) -> None:
+        self.positional = positional
+        self.batch_map = batch_map
+        self._enc = msgspec.msgpack.Encoder()
+
+    def _wire(self, ev: KVEvent) -> Any:
+        if isinstance(ev, BlockStored):
+            if self.positional:
+                return _WireStoredPos(
+                    ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size, ev.lora_id, ev.medium
+                )
+            return _WireStored(
+                ev.block_hashes,
+                ev.parent_block_hash,
+                ev.token_ids,
+                ev.block_size,
+                ev.lora_id,
+                ev.medium,
+                ev.lora_name,
+                ev.extra_keys,
+                ev.group_idx,
+                ev.kv_cache_spec_kind,
+                ev.kv_cache_spec_sliding_window,
+            )
+        if isinstance(ev, BlockRemoved):
+            if self.positional:
+                return _WireRemovedPos(ev.block_hashes, ev.medium)
+            return _WireRemoved(ev.block_hashes, ev.medium, ev.group_idx)
+        if isinstance(ev, AllBlocksCleared):
+            return _WireClearedPos() if self.positional else _WireCleared()
+        raise TypeError(f"not a KV event: {type(ev).__name__}")
+
+    def encode(self, ts: float, events: list[KVEvent], data_parallel_rank: int | None = None) -> bytes:
+        wire = [self._wire(e) for e in events]
+        cls = _WireBatchMap if self.batch_map else _WireBatchArr
+        return self._enc.encode(cls(ts, wire, data_parallel_rank))
+
+
+# ZMQ framing helpers (the frames around the payload).
+END_SEQ = -1
+
+
+def seq_to_bytes(seq: int) -> bytes:
+    return seq.to_bytes(8, "big", signed=True)
+
+
+def seq_from_bytes(b: bytes) -> int:
+    if len(b) != 8:
+        raise ValueError(f"sequence frame must be 8 bytes, got {len(b)}")
+    return int.from_bytes(b, "big", signed=True)

@@ -1,0 +1,125 @@
+"""What a policy sees and what it answers (the planner's contract).
+
+The gateway fills these from live state (index matches, `/load` reports, its own
+in-flight accounting); the offline simulator fills them from simulated engines.
+Policies never touch I/O.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvindex.index import PrefixMatch
+from kvindex.tiers import Tier
+
+
+@dataclass(slots=True)
+class Link:
+    """A path KV can be loaded over into GPU memory (`bytes/read_Bps + latency_s`)."""
+
+    read_Bps: float
+    latency_s: float = 0.0
+
+
+@dataclass(slots=True)
+class CostParams:
+    """A worker's speed coefficients: from its profile at first, calibrated online.
+
+    Prefill of `n` new tokens after `c` cached ones takes
+    `prefill_overhead_s + n / prefill_tokens_per_s + prefill_attn_s_per_token2 * n * (c + n / 2)`.
+    """
+
+    block_size: int
+    block_bytes: int
+    prefill_tokens_per_s: float
+    prefill_attn_s_per_token2: float = 0.0
+    prefill_overhead_s: float = 0.0
+    decode_step_s: float = 0.0
+    # Load links per tier below GPU (GPU itself costs nothing to "load").
+    links: dict[Tier, Link] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class WorkerView:
+    """One worker as the planner sees it at decision time."""
+
+    worker_id: str
+    cost: CostParams
+    # From the last load report (or the simulator's truth).
+    waiting_requests: int = 0
+    waiting_prefill_tokens: int = 0
+    running_requests: int = 0
+    est_queue_s: float = 0.0  # the worker's own estimate, when it gives one
+    gpu_free_blocks: int = 0
+    gpu_capacity_blocks: int = 0
+    report_age_s: float = 0.0
+    # The router's own accounting since that report (reports lag).
+    inflight_requests: int = 0  # dispatched, not finished
+    inflight_prefill_tokens: int = 0  # dispatched, first token not yet seen
+    # Caps and capabilities.
+    max_waiting: int | None = None
+    supports_prefetch: bool = True
+    supports_peer_pull: bool = False
+    url: str = ""
+
+
+@dataclass(slots=True)
+class RouteRequest:
+    """A request as routing needs it: sizes, block digests, and index matches."""
+
+    prompt_tokens: int
+    digests: Sequence[int]  # digest64 of each full block, in order
+    matches: Mapping[str, PrefixMatch]  # worker_id -> leading blocks held (absent = none)
+    max_tokens: int = 256
+    now: float = 0.0
+    request_id: str = ""
+
+
+@dataclass(slots=True)
+class Estimate:
+    """The per-worker breakdown that `/admin/route/explain` shows."""
+
+    worker_id: str
+    matched_blocks: dict[Tier, int]  # leading blocks per tier (PEER: pullable from another worker)
+    load_blocks: int  # the cut k: blocks 1..k are loaded, the rest recomputed
+    load_blocks_by_tier: dict[Tier, int]
+    prefetch_blocks: dict[Tier, int]  # of those, what can be raised while queued
+    recompute_tokens: int
+    t_queue: float
+    t_load: float  # load time left on the critical path after prefetch overlap
+    t_load_total: float  # load time if nothing were prefetched
+    t_prefill: float
+    t_ttft: float
+    eligible: bool = True
+    note: str = ""
+    peer_source: str | None = None  # worker to pull PEER blocks from
+
+
+@dataclass(slots=True)
+class Decision:
+    """A policy's answer. `worker_id` None means: shed (no eligible worker / SLO)."""
+
+    worker_id: str | None
+    policy: str
+    reason: str
+    predicted_ttft: float | None = None
+    estimates: list[Estimate] = field(default_factory=list)
+    # What to ask the chosen worker to raise toward GPU before the request arrives.
+    prefetch_blocks: int = 0  # leading blocks [0, prefetch_upto) to raise, 0 = none
+    prefetch_from_peer: str | None = None
+    ranked: list[str] = field(default_factory=list)  # fallback order for one retry
+
+
+class Policy(Protocol):
+    """A routing policy. May keep its own state (a round-robin cursor, a ring)."""
+
+    name: str
+
+    def choose(self, req: RouteRequest, workers: Sequence[WorkerView]) -> Decision:
+        """Pick a worker among `workers` (already filtered to healthy, routable ones)."""
+        ...
+
+    def observe(self, worker_id: str, predicted_ttft: float | None, actual_ttft: float, kv: Mapping | None) -> None:
+        """Feedback after a request's first token (calibration); may do nothing."""
+        ...
