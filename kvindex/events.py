@@ -255,10 +255,28 @@ class _WireClearedPos(msgspec.Struct, tag="AllBlocksCleared", array_like=True, o
     pass
 
 
+# The first releases with KV events (no `medium`, no data-parallel rank).
+class _WireStoredV0(msgspec.Struct, tag="BlockStored", array_like=True, omit_defaults=True, gc=False):
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+
+
+class _WireRemovedV0(msgspec.Struct, tag="BlockRemoved", array_like=True, omit_defaults=True, gc=False):
+    block_hashes: list[BlockHash]
+
+
 class _WireBatchArr(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
     events: list[Any]
     data_parallel_rank: int | None = None
+
+
+class _WireBatchV0(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
 
 
 class _WireBatchMap(msgspec.Struct, omit_defaults=True, gc=False):
@@ -272,17 +290,24 @@ class EventEncoder:
 
     `positional=False` (default): events as maps with a `type` tag, the batch as
     `[ts, events, dp_rank]` — what vLLM 0.32 sends. `positional=True`: the older
-    releases' tagged arrays (fields up to `medium`). `batch_map=True` encodes the
-    batch itself as a map, as vLLM's newest `EventBatch` struct does.
+    releases' tagged arrays (fields up to `medium`; with `with_medium=False` up to
+    `lora_id`, as the first releases with KV events). `batch_map=True` encodes the
+    batch itself as a map, as vLLM's newest `EventBatch` struct does. A
+    `data_parallel_rank` of None is omitted from a map batch and sent as nil in an
+    array batch (msgspec's `omit_defaults` does not drop array positions), exactly
+    as vLLM's structs encode it; the first releases' batch has no such field.
     """
 
-    def __init__(self, positional: bool = False, batch_map: bool = False) -> None:
+    def __init__(self, positional: bool = False, batch_map: bool = False, with_medium: bool = True) -> None:
         self.positional = positional
         self.batch_map = batch_map
+        self.with_medium = with_medium
         self._enc = msgspec.msgpack.Encoder()
 
     def _wire(self, ev: KVEvent) -> Any:
         if isinstance(ev, BlockStored):
+            if self.positional and not self.with_medium:
+                return _WireStoredV0(ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size, ev.lora_id)
             if self.positional:
                 return _WireStoredPos(
                     ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size, ev.lora_id, ev.medium
@@ -301,6 +326,8 @@ class EventEncoder:
                 ev.kv_cache_spec_sliding_window,
             )
         if isinstance(ev, BlockRemoved):
+            if self.positional and not self.with_medium:
+                return _WireRemovedV0(ev.block_hashes)
             if self.positional:
                 return _WireRemovedPos(ev.block_hashes, ev.medium)
             return _WireRemoved(ev.block_hashes, ev.medium, ev.group_idx)
@@ -310,6 +337,10 @@ class EventEncoder:
 
     def encode(self, ts: float, events: list[KVEvent], data_parallel_rank: int | None = None) -> bytes:
         wire = [self._wire(e) for e in events]
+        if self.positional and not self.with_medium:
+            if data_parallel_rank is not None:
+                raise ValueError("the first releases' batches carry no data_parallel_rank")
+            return self._enc.encode(_WireBatchV0(ts, wire))
         cls = _WireBatchMap if self.batch_map else _WireBatchArr
         return self._enc.encode(cls(ts, wire, data_parallel_rank))
 
@@ -319,10 +350,12 @@ END_SEQ = -1
 
 
 def seq_to_bytes(seq: int) -> bytes:
+    """A sequence frame: 8 bytes big-endian (signed, so END_SEQ is all ones)."""
     return seq.to_bytes(8, "big", signed=True)
 
 
-def seq_from_bytes(b: bytes) -> int:
+def seq_from_bytes(b: bytes | memoryview) -> int:
+    """Parse a sequence frame; ValueError unless it is exactly 8 bytes."""
     if len(b) != 8:
         raise ValueError(f"sequence frame must be 8 bytes, got {len(b)}")
     return int.from_bytes(b, "big", signed=True)

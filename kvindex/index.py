@@ -2,24 +2,34 @@
 
 Layout (why it is compact and fast)
 -----------------------------------
-One dict maps a block's 64-bit digest to a single Python int used as a bitmap:
-bit `t*S + slot` says worker `slot` holds the block in tier `t` (GPU, CPU, DISK),
-and bit `3*S + group` says remote group `group` holds it (REMOTE is shared: every
-member worker can load it). `S` is the slot capacity fixed at construction. A
-second dict keeps the block's full 32-byte key, needed only to chain the keys of
-children that later events store (keys are recomputed from `token_ids`, never
-trusted from the engine). Each worker keeps a map engine-hash -> digest(s) so
-`BlockRemoved` applies; it is skipped for engines that already publish our
-digests (our own workers), which halves their footprint.
+One dict (split in 256 shards, see `_SHARD_BITS`) maps a block's 64-bit digest to
+one Python int, its *record*:
 
-A query walks the request's digests in order and run-length encodes the bitmaps,
-so the per-block cost is one dict lookup and one int compare; bit arithmetic only
-happens where the holders change.
+    record = (bitmap << 32) | key_slot
+
+The bitmap gives every holder a 4-bit nibble: bit `4*s + t` says the worker in
+slot `s` holds the block in local tier `t` (0 GPU, 1 CPU, 2 DISK), and bit
+`4*g + 3` says remote group `g` holds it (REMOTE is shared: every member worker
+can load it). Slots are handed out lowest first, so a fleet of 64 workers keeps
+bitmaps within 256 bits. `key_slot` points into one bytearray of 32-byte full
+keys, needed only to chain the keys of children that later events store (keys
+are recomputed from `token_ids`, never trusted from the engine). A block costs
+about 170 bytes whatever the number of holders (bench/bench_index.py measures
+it); a holder adds one bit. Each worker keeps a map engine-hash -> digest(s) so
+`BlockRemoved` applies; it stays empty for engines that publish our digests
+(our own workers), which is most of a vLLM worker's per-entry footprint.
+
+A query walks the request's digests in order and only does bit arithmetic where
+the bitmap changes from one block to the next (a few times per prompt), so the
+per-block cost is one dict lookup, one shift and one int compare. Where it
+changes, one fold tells which workers stop matching and one XOR which workers
+change tier, so the cost grows with the number of changes, not workers x blocks.
 
 Removing or clearing a worker is O(1): its slot is retired (masked out of every
 query at once) and a fresh one is handed out; retired bits are swept from the
-dict in one pass only when they are a sizeable share of it (amortised O(1) per
-entry).
+dict incrementally, a bounded number of entries per `apply` call, in passes that
+start only when retired bits are a sizeable share of the index or slots run low
+(amortised O(1) per entry, no multi-second pause on a 10M-block index).
 
 Concurrency model
 -----------------
@@ -30,14 +40,47 @@ other coroutine. A multi-threaded host must wrap calls in one lock.
 """
 from __future__ import annotations
 
+import heapq
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import groupby
+from typing import Any
+
+import numpy as np
 
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch, KVEvent
-from .keys import ROOT_KEY, BlockHasher, digests64
+from .keys import KEY_BYTES, ROOT_KEY, BlockHasher, digests64, tokens_to_bytes
 from .tiers import Tier, tier_of_medium
 
 _LOCAL_TIERS = (Tier.GPU, Tier.CPU, Tier.DISK)
+_REMOTE_BIT = 3  # nibble bit of a remote group
+_SLOT_BITS = 32  # low bits of a record: the full key's slot
+_KEY_MASK = (1 << _SLOT_BITS) - 1
+_ONE32 = 1 << _SLOT_BITS
+# Fastest tier present in a nibble (lowest set bit); index 0 means "none".
+_NIBBLE_TIER: tuple[Tier | None, ...] = tuple(
+    None if n == 0 else Tier(min(b for b in range(4) if n >> b & 1)) for n in range(16)
+)
+# The digest -> record map is split over this many dicts by the digest's low bits, so
+# that a dict resize (CPython rebuilds a dict's whole table when it grows or has used
+# up its free slots) stalls the event loop for ~1/256 of the index: ~10 ms at 10M
+# blocks instead of ~2 s.
+_SHARD_BITS = 8
+_SHARD_MASK = (1 << _SHARD_BITS) - 1
+# Sweep work done per applied block while a pass is pending (plus a floor per call).
+_SWEEP_PER_BLOCK = 8
+_SWEEP_FLOOR = 2048
+
+
+def _lookup(shards: list[dict[int, int]], ds: Iterable[int]) -> list[int | None]:
+    """Records of many digests (None where absent), in C loops."""
+    return list(map(dict.get, map(shards.__getitem__, map(_SHARD_MASK.__and__, ds)), ds))
+
+
+def _insert(shards: list[dict[int, int]], ds: Iterable[int], recs: Iterable[int]) -> None:
+    """Set many records, in C loops."""
+    deque(map(dict.__setitem__, map(shards.__getitem__, map(_SHARD_MASK.__and__, ds)), ds, recs), maxlen=0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +104,11 @@ class PrefixMatch:
 
 @dataclass(slots=True)
 class ApplyStats:
-    """What one batch did (all counters are also kept per worker)."""
+    """What one batch did (all counters are also kept per worker).
+
+    `stored` / `removed` count engine blocks named by events; `ignored` counts
+    events of other KV-cache groups (hybrid models: only group 0 is indexed).
+    """
 
     stored: int = 0
     removed: int = 0
@@ -70,6 +117,17 @@ class ApplyStats:
     orphans: int = 0
     unknown_medium: int = 0
     bad_events: int = 0
+    ignored: int = 0
+
+    def add(self, other: ApplyStats) -> None:
+        self.stored += other.stored
+        self.removed += other.removed
+        self.cleared += other.cleared
+        self.unknown_removed += other.unknown_removed
+        self.orphans += other.orphans
+        self.unknown_medium += other.unknown_medium
+        self.bad_events += other.bad_events
+        self.ignored += other.ignored
 
 
 @dataclass(slots=True)
@@ -86,6 +144,8 @@ class WorkerIndexStats:
     orphans: int
     unknown_medium: int
     bad_events: int
+    ignored: int = 0
+    engine_map: int = 0
 
 
 @dataclass(slots=True)
@@ -93,14 +153,25 @@ class _Worker:
     worker_id: str
     slot: int
     group: str
+    gslot: int
     ns_digest: bytes
     block_size: int
     hasher: BlockHasher
     draining: bool = False
-    # engine hash -> our digest (int) or digests (tuple) when the engine block spans several
+    # engine hash -> our digest (int), or digests (tuple) when the engine block spans several
     emap: dict[int | bytes, int | tuple[int, ...]] = field(default_factory=dict)
     counts: list[int] = field(default_factory=lambda: [0, 0, 0])
     stats: ApplyStats = field(default_factory=ApplyStats)
+
+
+@dataclass(slots=True)
+class _SweepPass:
+    """An incremental sweep over a snapshot of the digests."""
+
+    slots: list[int]
+    clear: int  # record bits to erase (retired slots' nibbles, shifted past the key slot)
+    digests: list[int]
+    pos: int = 0
 
 
 class IndexError_(ValueError):
@@ -117,22 +188,27 @@ class PrefixIndex:
             raise ValueError("max_workers must be positive")
         self.block_size = block_size
         self._S = max_workers
-        self._slot_all = (1 << max_workers) - 1
-        self._masks: dict[int, int] = {}
-        self._full: dict[int, bytes] = {}
+        nibbles = ((1 << (4 * max_workers)) - 1) // 15  # bit 0 of every nibble
+        self._local_mask = nibbles * 7
+        self._remote_mask = nibbles << _REMOTE_BIT
+        self._shards: list[dict[int, int]] = [{} for _ in range(_SHARD_MASK + 1)]  # digest -> record
+        self._keys = bytearray()  # full keys, 32 bytes per key slot
+        self._free_keys: list[int] = []
         self._workers: dict[str, _Worker] = {}
         self._by_slot: dict[int, _Worker] = {}
-        self._free_slots = list(range(max_workers - 1, -1, -1))
-        self._retired: set[int] = set()
+        self._free_slots: list[int] = list(range(max_workers))  # a heap: lowest first
+        self._retired: list[int] = []
         self._retired_entries = 0
+        self._sweep: _SweepPass | None = None
         self._groups: dict[str, int] = {}  # group name -> group slot
-        self._group_members: dict[int, int] = {}  # group slot -> worker slot mask
-        self._free_groups = list(range(max_workers - 1, -1, -1))
+        self._group_members: dict[int, int] = {}  # group slot -> members (bit 4*s)
+        self._free_groups: list[int] = list(range(max_workers))  # a heap
         self._remote_counts: dict[int, int] = {}
-        self._active = 0  # slot mask of registered, non-retired workers
+        self._active = 0  # bit 4*s per registered, non-retired worker slot
         self._routable = 0  # _active minus draining
+        self._live = 0  # bitmap bits of live holders (active slots' local bits, groups' remote bits)
         self._expand_cache: dict[int, int] = {}
-        self._hashers: dict[tuple[bytes, int], BlockHasher] = {}
+        self._hashers: dict[bytes, BlockHasher] = {}
         self.sweeps = 0
 
     # ------------------------------------------------------------------ lifecycle
@@ -144,73 +220,71 @@ class PrefixIndex:
 
         `block_size` is the worker's own (engine) block size; it must be a multiple
         of the index's, each engine block then being split into index blocks.
+        Workers naming the same `remote_group` share its REMOTE tier.
         """
         if worker_id in self._workers:
             raise IndexError_(f"worker {worker_id!r} is already registered")
+        if len(ns_digest) != KEY_BYTES:
+            raise IndexError_(f"worker {worker_id!r}: the namespace digest must be {KEY_BYTES} bytes")
         bs = block_size or self.block_size
-        if bs % self.block_size:
+        if bs < 0 or bs % self.block_size:
             raise IndexError_(
                 f"worker {worker_id!r} has block size {bs}, which is not a multiple of the "
                 f"index block size {self.block_size}; configure the worker's engine with a "
                 f"multiple of {self.block_size}"
             )
-        slot = self._take_slot()
         group = remote_group or f"worker:{worker_id}"
         gslot = self._groups.get(group)
+        slot = self._take_slot()
+        if gslot is None and not self._free_groups:
+            heapq.heappush(self._free_slots, slot)
+            raise IndexError_(f"no free remote-group slots ({self._S}); raise max_workers")
         if gslot is None:
-            if not self._free_groups:
-                self._free_slots.append(slot)
-                raise IndexError_("no free remote-group slots")
-            gslot = self._free_groups.pop()
+            gslot = heapq.heappop(self._free_groups)
             self._groups[group] = gslot
             self._group_members[gslot] = 0
-        hk = (ns_digest, self.block_size)
-        hasher = self._hashers.get(hk)
+        hasher = self._hashers.get(ns_digest)
         if hasher is None:
-            hasher = self._hashers[hk] = BlockHasher(ns_digest, self.block_size)
-        w = _Worker(worker_id, slot, group, ns_digest, bs, hasher)
+            hasher = self._hashers[ns_digest] = BlockHasher(ns_digest, self.block_size)
+        w = _Worker(worker_id, slot, group, gslot, ns_digest, bs, hasher)
         self._workers[worker_id] = w
-        self._by_slot[slot] = w
-        self._group_members[gslot] |= 1 << slot
-        self._active |= 1 << slot
-        self._routable |= 1 << slot
-        self._expand_cache.clear()
+        self._activate(w)
 
     def remove_worker(self, worker_id: str) -> None:
         """Forget a worker and all its local entries (its remote group's blocks stay)."""
         w = self._get(worker_id)
         self._retire(w)
         del self._workers[worker_id]
-        gslot = self._groups[w.group]
-        if self._group_members[gslot] == 0 and self._remote_counts.get(gslot, 0) == 0:
+        g = w.gslot
+        if self._group_members[g] == 0 and self._remote_counts.get(g, 0) == 0:
             del self._groups[w.group]
-            del self._group_members[gslot]
-            self._free_groups.append(gslot)
-        self._maybe_sweep()
+            del self._group_members[g]
+            self._remote_counts.pop(g, None)
+            heapq.heappush(self._free_groups, g)
+            self._recompute_live()
+        self._maybe_start_sweep()
 
     def clear_worker(self, worker_id: str) -> None:
         """Drop every local block of a worker (AllBlocksCleared, restart, lost sync)."""
         w = self._get(worker_id)
+        w.emap = {}
+        if not any(w.counts):
+            return  # no local bits anywhere: keep the slot
         self._retire(w)
         w.slot = self._take_slot()
         w.counts = [0, 0, 0]
-        w.emap = {}
-        self._by_slot[w.slot] = w
-        self._group_members[self._groups[w.group]] |= 1 << w.slot
-        self._active |= 1 << w.slot
-        if not w.draining:
-            self._routable |= 1 << w.slot
-        self._expand_cache.clear()
-        self._maybe_sweep()
+        self._activate(w)
+        self._maybe_start_sweep()
 
     def set_draining(self, worker_id: str, draining: bool = True) -> None:
         """A draining worker keeps its entries current but is left out of matches."""
         w = self._get(worker_id)
         w.draining = draining
+        bit = 1 << (4 * w.slot)
         if draining:
-            self._routable &= ~(1 << w.slot)
+            self._routable &= ~bit
         else:
-            self._routable |= 1 << w.slot
+            self._routable |= bit
 
     def workers(self) -> list[str]:
         return list(self._workers)
@@ -224,240 +298,460 @@ class PrefixIndex:
             raise IndexError_(f"unknown worker {worker_id!r}")
         return w
 
+    def _activate(self, w: _Worker) -> None:
+        bit = 1 << (4 * w.slot)
+        self._by_slot[w.slot] = w
+        self._group_members[w.gslot] |= bit
+        self._active |= bit
+        if not w.draining:
+            self._routable |= bit
+        self._expand_cache.clear()
+        self._recompute_live()
+
     def _take_slot(self) -> int:
-        if not self._free_slots and self._retired:
-            self.sweep()
+        if not self._free_slots and (self._retired or self._sweep is not None):
+            self._finish_sweeps()
         if not self._free_slots:
             raise IndexError_(f"index is full: {self._S} workers (raise max_workers)")
-        return self._free_slots.pop()
+        return heapq.heappop(self._free_slots)
 
     def _retire(self, w: _Worker) -> None:
-        bit = 1 << w.slot
+        bit = 1 << (4 * w.slot)
         self._active &= ~bit
         self._routable &= ~bit
-        self._group_members[self._groups[w.group]] &= ~bit
+        self._group_members[w.gslot] &= ~bit
         self._expand_cache.clear()
-        self._retired.add(w.slot)
+        self._retired.append(w.slot)
         self._retired_entries += sum(w.counts)
         del self._by_slot[w.slot]
+        self._recompute_live()
 
-    def _maybe_sweep(self) -> None:
-        if self._retired and self._retired_entries * 4 >= max(len(self._masks), 1):
-            self.sweep()
+    def _recompute_live(self) -> None:
+        live = 0
+        for w in self._by_slot.values():
+            live |= 7 << (4 * w.slot)
+        for g in self._group_members:
+            live |= 1 << (4 * g + _REMOTE_BIT)
+        self._live = live
 
-    def sweep(self) -> None:
-        """Erase retired slots' bits in one pass and free those slots."""
-        if not self._retired:
+    # ------------------------------------------------------------------ sweeping
+
+    def _maybe_start_sweep(self) -> None:
+        if self._sweep is not None or not self._retired:
             return
-        S = self._S
-        r = 0
-        for s in self._retired:
-            r |= 1 << s
-        retired = r | (r << S) | (r << (2 * S))
-        keep = ~retired
-        masks = self._masks
-        full = self._full
-        dead = []
-        for d, v in masks.items():
-            if v & retired:
-                nv = v & keep
-                if nv:
-                    masks[d] = nv  # value update during iteration is allowed
-                else:
-                    dead.append(d)
-        for d in dead:
-            del masks[d]
-            full.pop(d, None)
-        self._free_slots.extend(sorted(self._retired, reverse=True))
-        self._retired.clear()
+        if self._retired_entries * 4 >= max(len(self), 1) or len(self._free_slots) * 4 < self._S:
+            self._start_sweep()
+
+    def _start_sweep(self) -> None:
+        slots = self._retired
+        clear = 0
+        for s in slots:
+            clear |= 7 << (4 * s)
+        self._sweep = _SweepPass(slots, clear << _SLOT_BITS, [d for shard in self._shards for d in shard])
+        self._retired = []
         self._retired_entries = 0
-        self.sweeps += 1
+
+    def sweep(self, max_entries: int | None = None) -> bool:
+        """Erase retired slots' bits, at most `max_entries` digests' worth now.
+
+        Returns True when nothing is left to sweep. Slots return to the free pool
+        when their pass completes. Without a limit, runs every pending pass to the end.
+        """
+        if max_entries is None:
+            self._finish_sweeps()
+            return True
+        if self._sweep is None:
+            if not self._retired:
+                return True
+            self._start_sweep()
+        self._sweep_step(max_entries)
+        return self._sweep is None and not self._retired
+
+    def _finish_sweeps(self) -> None:
+        while self._sweep is not None or self._retired:
+            if self._sweep is None:
+                self._start_sweep()
+            self._sweep_step(None)
+
+    def _sweep_step(self, budget: int | None) -> None:
+        sw = self._sweep
+        if sw is None:
+            return
+        shards = self._shards
+        free_keys = self._free_keys
+        clear = sw.clear
+        keep = ~clear
+        end = len(sw.digests) if budget is None else min(len(sw.digests), sw.pos + budget)
+        for d in sw.digests[sw.pos : end]:
+            shard = shards[d & _SHARD_MASK]
+            v = shard.get(d)
+            if v is not None and v & clear:
+                v &= keep
+                if v < _ONE32:
+                    del shard[d]
+                    free_keys.append(v)
+                else:
+                    shard[d] = v
+        sw.pos = end
+        if end >= len(sw.digests):
+            for s in sw.slots:
+                heapq.heappush(self._free_slots, s)
+            self._sweep = None
+            self.sweeps += 1
 
     # ------------------------------------------------------------------ events
 
     def apply(self, worker_id: str, batch: DecodedBatch | Sequence[KVEvent]) -> ApplyStats:
-        """Apply one batch of a worker's events, in order. Never raises on bad events."""
+        """Apply one batch of a worker's events, in order. Never raises on bad events.
+
+        Raises IndexError_ only for an unknown worker.
+        """
         w = self._get(worker_id)
-        events = batch.events if isinstance(batch, DecodedBatch) else batch
         st = ApplyStats()
         if isinstance(batch, DecodedBatch):
             st.bad_events += len(batch.errors)
+            events: Sequence[Any] = batch.events
+        else:
+            events = batch
+        work = 0
         for ev in events:
-            if isinstance(ev, BlockStored):
-                self._stored(w, ev, st)
-            elif isinstance(ev, BlockRemoved):
-                self._removed(w, ev, st)
-            elif isinstance(ev, AllBlocksCleared):
-                self.clear_worker(worker_id)
-                st.cleared += 1
-            else:
+            cls = type(ev)
+            try:
+                if cls is BlockStored:
+                    work += self._stored(w, ev, st)
+                elif cls is BlockRemoved:
+                    work += self._removed(w, ev, st)
+                elif cls is AllBlocksCleared:
+                    self.clear_worker(worker_id)
+                    st.cleared += 1
+                else:
+                    st.bad_events += 1
+            except (TypeError, AttributeError):  # fields of the wrong type (built in Python, not decoded)
                 st.bad_events += 1
-        ws = w.stats
-        ws.stored += st.stored
-        ws.removed += st.removed
-        ws.cleared += st.cleared
-        ws.unknown_removed += st.unknown_removed
-        ws.orphans += st.orphans
-        ws.unknown_medium += st.unknown_medium
-        ws.bad_events += st.bad_events
+        w.stats.add(st)
+        if self._sweep is not None:
+            self._sweep_step(_SWEEP_FLOOR + _SWEEP_PER_BLOCK * work)
         return st
 
-    def _tier_bit(self, w: _Worker, medium: str | None, st: ApplyStats) -> tuple[int, int]:
-        """(bit to set, tier index into counts or 3 for REMOTE)."""
+    def _tier_bit(self, w: _Worker, medium: Any, st: ApplyStats) -> tuple[int, int]:
+        """(bitmap bit, tier index into counts or 3 for REMOTE)."""
+        if medium is not None and not isinstance(medium, str):
+            medium = "?"  # not a medium at all: unknown, counted below
         tier, known = tier_of_medium(medium)
         if not known:
             st.unknown_medium += 1
         if tier is Tier.REMOTE:
-            return 1 << (3 * self._S + self._groups[w.group]), 3
-        return 1 << (int(tier) * self._S + w.slot), int(tier)
+            return 1 << (4 * w.gslot + _REMOTE_BIT), 3
+        return 1 << (4 * w.slot + int(tier)), int(tier)
 
-    def _parent_key(self, w: _Worker, parent: int | bytes | None) -> bytes | None:
+    def _key_of(self, record: int) -> bytes:
+        i = (record & _KEY_MASK) * KEY_BYTES
+        return bytes(self._keys[i : i + KEY_BYTES])
+
+    def _parent_key(self, w: _Worker, parent: Any) -> bytes | None:
+        """Full key of the parent block, or None when it is unknown (an orphan)."""
         if parent is None:
             return ROOT_KEY
-        m = w.emap.get(parent)
-        if m is None:
-            if isinstance(parent, int) and parent in self._full:
-                return self._full[parent]  # engine publishes our digests
+        try:
+            m = w.emap.get(parent)
+        except TypeError:  # unhashable: a malformed event
             return None
-        last = m[-1] if isinstance(m, tuple) else m
-        return self._full.get(last)
+        if m is None:
+            if type(parent) is not int:
+                return None
+            d = parent  # an engine that publishes our digests
+        else:
+            d = m[-1] if type(m) is tuple else m
+        v = self._shards[d & _SHARD_MASK].get(d)
+        if v is None or not (v >> _SLOT_BITS) & self._live:
+            return None
+        return self._key_of(v)
 
-    def _stored(self, w: _Worker, ev: BlockStored, st: ApplyStats) -> None:
-        ebs = ev.block_size
+    def _extras(self, ev: BlockStored, n: int, k: int) -> list[Any] | None | bool:
+        """Per-index-block extra keys for a stored event (False: malformed)."""
+        extra = ev.extra_keys
+        lora = ev.lora_name
+        if extra is None:
+            if lora:
+                return [(lora,)] * (n * k)
+            if ev.lora_id is not None:  # old releases: no name; never mix with base-model keys
+                return [(("lora_id", ev.lora_id),)] * (n * k)
+            return None
+        if type(extra) is not list or len(extra) != n:
+            return False
+        if k == 1:
+            return extra
+        rest = (lora,) if lora else None
+        out: list[Any] = []
+        for e in extra:
+            out.append(e)
+            # only the LoRA name (vLLM puts it first) carries over to the sub-blocks
+            out.extend([rest if (rest and e and e[0] == lora) else None] * (k - 1))
+        return out
+
+    def _stored(self, w: _Worker, ev: BlockStored, st: ApplyStats) -> int:
+        if ev.group_idx:
+            st.ignored += 1
+            return 0
         hashes = ev.block_hashes
         n = len(hashes)
+        ebs = ev.block_size
         B = self.block_size
-        if ebs <= 0 or ebs % B or len(ev.token_ids) < n * ebs or not isinstance(ev.token_ids, list):
+        tokens = ev.token_ids
+        if type(ebs) is not int or ebs <= 0 or ebs % B or len(tokens) < n * ebs:
             st.bad_events += 1
-            return
-        parent = self._parent_key(w, ev.parent_block_hash)
-        if parent is None:
-            st.orphans += n
-            return
-        try:
-            bit, ti = self._tier_bit(w, ev.medium, st)
-        except KeyError:  # pragma: no cover - group always registered
-            st.bad_events += 1
-            return
+            return 0
+        if not n:
+            return 0
         k = ebs // B
-        extra = ev.extra_keys
-        if extra is not None:
-            if len(extra) != n:
-                st.bad_events += 1
-                return
-            if k > 1:
-                lora = ev.lora_name
-                sub: list = []
-                for e in extra:
-                    rest = (lora,) if (lora and e and lora in e) else None
-                    sub.append(e)
-                    sub.extend([rest] * (k - 1))
-                extra = sub
-        try:
-            keys = w.hasher.keys(ev.token_ids[: n * ebs], extra, parent)
-        except (OverflowError, TypeError):
-            st.bad_events += 1
-            return
-        ds = digests64(keys)
-        masks = self._masks
-        full = self._full
-        counts = w.counts
-        added = 0
-        for d, key in zip(ds, keys):
-            v = masks.get(d, 0)
-            if not v & bit:
-                masks[d] = v | bit
-                added += 1
-                if not v:
-                    full[d] = key
-        if ti == 3:
-            g = self._groups[w.group]
-            self._remote_counts[g] = self._remote_counts.get(g, 0) + added
-        else:
-            counts[ti] += added
-        emap = w.emap
-        if k == 1:
-            for eh, d in zip(hashes, ds):
-                if eh != d:
-                    emap[eh] = d
-        else:
-            for i, eh in enumerate(hashes):
-                emap[eh] = tuple(ds[i * k : (i + 1) * k])
-        st.stored += n
-
-    def _removed(self, w: _Worker, ev: BlockRemoved, st: ApplyStats) -> None:
         bit, ti = self._tier_bit(w, ev.medium, st)
-        masks = self._masks
-        full = self._full
+        ds = self._known(w, hashes, k)
+        if ds is not None:
+            # The same worker stores blocks it already holds (a copy to another tier):
+            # their content was verified when first stored, no keying needed.
+            added = self._set_bits(ds, None, bit, distinct=False)
+        else:
+            extras = self._extras(ev, n, k)
+            if extras is False:
+                st.bad_events += 1
+                return 0
+            parent = self._parent_key(w, ev.parent_block_hash)
+            if parent is None:
+                st.orphans += n
+                return 0
+            hasher = w.hasher
+            try:
+                buf = tokens_to_bytes(tokens if len(tokens) == n * ebs else tokens[: n * ebs])
+                states = None if extras is None else hasher.states_for(extras, n * k)  # type: ignore[arg-type]
+                keys = hasher.chain(buf, n * k, states, parent)
+            except (OverflowError, TypeError, ValueError):
+                st.bad_events += 1
+                return 0
+            joined = b"".join(keys)
+            ds = np.frombuffer(joined, dtype="<u8")[:: KEY_BYTES // 8].tolist()  # digests64, reusing the join
+            added = self._set_bits(ds, keys, bit, joined)
+            try:
+                if k == 1:
+                    if hashes != ds:
+                        w.emap.update(zip(hashes, ds))
+                else:
+                    emap = w.emap
+                    for i, eh in enumerate(hashes):
+                        emap[eh] = tuple(ds[i * k : (i + 1) * k])
+            except TypeError:  # unhashable engine hashes
+                st.bad_events += 1
+        if ti == 3:
+            self._remote_counts[w.gslot] = self._remote_counts.get(w.gslot, 0) + added
+        else:
+            w.counts[ti] += added
+        st.stored += n
+        return n * k
+
+    def _known(self, w: _Worker, hashes: list[Any], k: int) -> list[int] | None:
+        """Our digests for engine blocks this worker already holds, if it holds them all."""
+        shards = self._shards
         emap = w.emap
-        S = self._S
-        wbits = (1 << w.slot) | (1 << (S + w.slot)) | (1 << (2 * S + w.slot))
+        if emap:
+            try:
+                if hashes[0] not in emap:  # the common fresh chain: one lookup, not n
+                    return None
+                vals = list(map(emap.get, hashes))
+            except TypeError:
+                return None
+            if None in vals:
+                return None
+            ds: list[int] = vals if k == 1 else [d for t in vals for d in t]
+            if None in _lookup(shards, ds):
+                return None  # e.g. only its REMOTE copy was known, and it is gone
+            return ds
+        h0 = hashes[0]
+        if type(h0) is not int or h0 not in shards[h0 & _SHARD_MASK]:
+            return None
+        try:
+            recs = _lookup(shards, hashes)
+        except TypeError:  # a non-int hash among ints
+            return None
+        if None in recs:
+            return None
+        # Our own workers publish our digests: trust them only where this worker holds them.
+        held = ((7 << (4 * w.slot)) | (1 << (4 * w.gslot + _REMOTE_BIT))) << _SLOT_BITS
+        if not all(map(held.__and__, recs)) or k != 1:
+            return None
+        return hashes
+
+    def _set_bits(
+        self, ds: list[int], keys: Sequence[bytes] | None, bit: int, joined: bytes | None = None, distinct: bool = True
+    ) -> int:
+        """Set `bit` on every digest, inserting new ones with their keys; returns bits added.
+
+        `keys` may be None when every digest is known to be indexed already;
+        `joined` is `b"".join(keys)` when the caller has it; `distinct` says the
+        digests cannot repeat (a key chain), which spares a check.
+        """
+        shards = self._shards
+        bit32 = bit << _SLOT_BITS
+        vals = _lookup(shards, ds)
+        n = len(ds)
+        if not distinct and len(set(ds)) != n:
+            pass  # repeated digests: the loop below handles them one by one
+        elif keys is None or vals.count(None) == 0:
+            if None not in vals:
+                # all present: C loops only
+                had = sum(map(bool, map(bit32.__and__, vals)))  # type: ignore[arg-type]
+                if had < n:
+                    _insert(shards, ds, map(bit32.__or__, vals))  # type: ignore[arg-type]
+                return n - had
+        elif vals.count(None) == n:
+            # all new (a fresh chain): reuse freed key slots, append the rest, insert in C loops
+            slab = self._keys
+            free_keys = self._free_keys
+            m = min(n, len(free_keys))
+            slots: list[int] = []
+            if m:
+                slots = free_keys[len(free_keys) - m :]
+                del free_keys[len(free_keys) - m :]
+                for ks, key in zip(slots, keys):
+                    off = ks * KEY_BYTES
+                    slab[off : off + KEY_BYTES] = key
+            if m < n:
+                first = len(slab) // KEY_BYTES
+                slab += joined if (joined is not None and m == 0) else b"".join(keys[m:])
+                slots.extend(range(first, first + n - m))
+            _insert(shards, ds, map(bit32.__or__, slots))
+            return n
+        added = 0
+        slab = self._keys
+        free_keys = self._free_keys
+        for i, d in enumerate(ds):
+            shard = shards[d & _SHARD_MASK]
+            v = shard.get(d)  # not vals[i]: a digest may repeat within one call
+            if v is None:
+                if keys is None:
+                    continue
+                key = keys[i]
+                if free_keys:
+                    ks = free_keys.pop()
+                    off = ks * KEY_BYTES
+                    slab[off : off + KEY_BYTES] = key
+                else:
+                    ks = len(slab) // KEY_BYTES
+                    slab += key
+                shard[d] = bit32 | ks
+                added += 1
+            elif not v & bit32:
+                shard[d] = v | bit32
+                added += 1
+        return added
+
+    def _clear_bits(self, ds: Iterable[int], bit: int) -> int:
+        """Clear `bit` on every digest (dropping blocks nobody holds); returns bits cleared."""
+        shards = self._shards
+        bit32 = bit << _SLOT_BITS
+        gone = 0
+        for d in ds:
+            shard = shards[d & _SHARD_MASK]
+            v = shard.get(d)
+            if v is not None and v & bit32:
+                v ^= bit32
+                gone += 1
+                if v < _ONE32:
+                    del shard[d]
+                    self._free_keys.append(v)
+                else:
+                    shard[d] = v
+        return gone
+
+    def _removed(self, w: _Worker, ev: BlockRemoved, st: ApplyStats) -> int:
+        if ev.group_idx:
+            st.ignored += 1
+            return 0
+        bit, ti = self._tier_bit(w, ev.medium, st)
+        shards = self._shards
+        emap = w.emap
+        bit32 = bit << _SLOT_BITS
+        wbits32 = (7 << (4 * w.slot)) << _SLOT_BITS
         gone = 0
         for eh in ev.block_hashes:
-            m = emap.get(eh)
+            try:
+                m = emap.get(eh)
+            except TypeError:
+                st.bad_events += 1
+                continue
             if m is None:
-                if isinstance(eh, int) and masks.get(eh, 0) & bit:
+                if type(eh) is int and shards[eh & _SHARD_MASK].get(eh, 0) & bit32:
                     m = eh
                 else:
                     st.unknown_removed += 1
                     continue
-            ds = m if isinstance(m, tuple) else (m,)
-            still = False
-            for d in ds:
-                v = masks.get(d)
-                if v is None:
-                    continue
-                if v & bit:
-                    gone += 1
-                    v &= ~bit
-                    if v:
-                        masks[d] = v
-                    else:
-                        del masks[d]
-                        full.pop(d, None)
-                if v & wbits:
-                    still = True
-            if not still and ti != 3:
-                emap.pop(eh, None)
+            ds = m if type(m) is tuple else (m,)
+            gone += self._clear_bits(ds, bit)
+            if ti != 3 and m is not eh:
+                if not any(shards[d & _SHARD_MASK].get(d, 0) & wbits32 for d in ds):
+                    del emap[eh]
             st.removed += 1
         if ti == 3:
-            g = self._groups[w.group]
+            g = w.gslot
             self._remote_counts[g] = max(0, self._remote_counts.get(g, 0) - gone)
         else:
             w.counts[ti] = max(0, w.counts[ti] - gone)
+        return gone
+
+    # ------------------------------------------------------------------ direct access
+
+    def store_keys(self, worker_id: str, keys: Sequence[bytes], tier: Tier = Tier.GPU) -> int:
+        """Record that a worker holds blocks whose full keys are `keys` (no events).
+
+        For callers that computed the keys themselves with `BlockHasher` (the
+        offline simulator, benchmarks, bulk loads). Returns the entries added.
+        """
+        w = self._get(worker_id)
+        if tier is Tier.PEER:
+            raise ValueError("PEER is a planning tier, never stored")
+        if any(len(k) != KEY_BYTES for k in keys):
+            raise ValueError(f"keys must be {KEY_BYTES} bytes")
+        if not keys:
+            return 0
+        ti = int(tier)
+        bit = 1 << (4 * (w.gslot if ti == 3 else w.slot) + ti)
+        added = self._set_bits(digests64(keys), keys, bit, distinct=False)
+        if ti == 3:
+            self._remote_counts[w.gslot] = self._remote_counts.get(w.gslot, 0) + added
+        else:
+            w.counts[ti] += added
+        return added
+
+    def remove_digests(self, worker_id: str, digests: Iterable[int], tier: Tier = Tier.GPU) -> int:
+        """Forget that a worker holds these blocks in `tier`; returns the entries removed."""
+        w = self._get(worker_id)
+        if tier is Tier.PEER:
+            raise ValueError("PEER is a planning tier, never stored")
+        ti = int(tier)
+        bit = 1 << (4 * (w.gslot if ti == 3 else w.slot) + ti)
+        gone = self._clear_bits(digests, bit)
+        if ti == 3:
+            self._remote_counts[w.gslot] = max(0, self._remote_counts.get(w.gslot, 0) - gone)
+        else:
+            w.counts[ti] = max(0, w.counts[ti] - gone)
+        return gone
 
     # ------------------------------------------------------------------ queries
 
-    def _expand(self, v: int) -> int:
-        """Slots that can reach a block whose bitmap is `v` (local tiers or remote group)."""
-        S = self._S
-        a = self._slot_all
-        p = (v | (v >> S) | (v >> (2 * S))) & a
-        r = v >> (3 * S)
-        if r:
-            e = self._expand_cache.get(r)
-            if e is None:
-                e = 0
-                rr = r
-                while rr:
-                    low = rr & -rr
-                    g = low.bit_length() - 1
-                    e |= self._group_members.get(g, 0)
-                    rr ^= low
-                self._expand_cache[r] = e
-            p |= e
-        return p
-
-    def _tier_for(self, v: int, slot: int) -> Tier:
-        """Fastest tier of a block the worker in `slot` is known to reach."""
-        S = self._S
-        if v >> slot & 1:
-            return Tier.GPU
-        if v >> (S + slot) & 1:
-            return Tier.CPU
-        if v >> (2 * S + slot) & 1:
-            return Tier.DISK
-        return Tier.REMOTE
+    def _expand(self, remote: int) -> int:
+        """Member slots' REMOTE nibble bits for a bitmap's remote-group bits (cached)."""
+        e = self._expand_cache.get(remote)
+        if e is None:
+            e = 0
+            r = remote
+            while r:
+                low = r & -r
+                g = (low.bit_length() - 1) >> 2
+                e |= self._group_members.get(g, 0)
+                r ^= low
+            e <<= _REMOTE_BIT
+            if len(self._expand_cache) >= 4096:
+                self._expand_cache.clear()
+            self._expand_cache[remote] = e
+        return e
 
     def match(
         self, digests: Sequence[int], workers: Iterable[str] | None = None, include_draining: bool = False
@@ -473,58 +767,83 @@ class PrefixIndex:
             for wid in workers:
                 w = self._workers.get(wid)
                 if w is not None:
-                    sel |= 1 << w.slot
+                    sel |= 1 << (4 * w.slot)
             alive &= sel
         if not alive or not digests:
             return {}
-        get = self._masks.get
-        runs: list[tuple[int, int]] = []  # (bitmap, first block index)
-        ends: list[tuple[int, int]] = []  # (slots that stopped, blocks matched)
-        prev = -1
+        shards = self._shards
+        d0 = digests[0]
+        if d0 not in shards[d0 & _SHARD_MASK]:
+            return {}  # the common miss: one lookup
+        # Every record in C loops, cut at the first miss; then one Python step per run
+        # of equal bitmaps (groupby), not per block.
+        recs = _lookup(shards, digests)
+        try:
+            recs = recs[: recs.index(None)]
+        except ValueError:
+            pass
+        local_mask = self._local_mask
+        remote_mask = self._remote_mask
+        expand_cache = self._expand_cache
+        nibble_tier = _NIBBLE_TIER
+        # Per slot: [(tier, first block index), ...]; ends: (slots that stopped, blocks matched)
+        tiers: dict[int, list[tuple[Tier | None, int]]] = {}
+        ends: list[tuple[int, int]] = []
+        prev_e = 0
         i = 0
-        for d in digests:
-            v = get(d)
-            if v is None:
-                break
-            if v != prev:
-                na = alive & self._expand(v)
-                if na != alive:
-                    if i:
-                        ends.append((alive & ~na, i))
-                    alive = na
-                    if not alive:
-                        break
-                runs.append((v, i))
-                prev = v
-            i += 1
+        for b, run in groupby(map(_SLOT_BITS.__rrshift__, recs)):  # type: ignore[arg-type]
+            rb = b & remote_mask
+            if rb:
+                x = expand_cache.get(rb)
+                e = (b & local_mask) | (self._expand(rb) if x is None else x)
+            else:
+                e = b & local_mask
+            held = (e | e >> 1 | e >> 2 | e >> 3) & alive
+            if held != alive:
+                if i:
+                    ends.append((alive & ~held, i))
+                alive = held
+                if not alive:
+                    break
+            ch = e ^ prev_e
+            changed = (ch | ch >> 1 | ch >> 2 | ch >> 3) & alive
+            prev_e = e
+            while changed:
+                low = changed & -changed
+                pos = low.bit_length() - 1
+                changed ^= low
+                t = nibble_tier[e >> pos & 15]
+                slot_runs = tiers.get(pos)
+                if slot_runs is None:
+                    tiers[pos] = [(t, i)]
+                elif slot_runs[-1][0] is not t:
+                    slot_runs.append((t, i))
+            i += len(list(run))
         if alive and i:
             ends.append((alive, i))
         out: dict[str, PrefixMatch] = {}
+        by_slot = self._by_slot
         for slots, length in ends:
             while slots:
                 low = slots & -slots
-                slot = low.bit_length() - 1
+                pos = low.bit_length() - 1
                 slots ^= low
-                w = self._by_slot[slot]
-                tiers: list[tuple[Tier, int]] = []
-                for j, (v, start) in enumerate(runs):
-                    if start >= length:
-                        break
-                    end = runs[j + 1][1] if j + 1 < len(runs) else length
-                    end = min(end, length)
-                    t = self._tier_for(v, slot)
-                    if tiers and tiers[-1][0] is t:
-                        tiers[-1] = (t, tiers[-1][1] + end - start)
-                    else:
-                        tiers.append((t, end - start))
-                out[w.worker_id] = PrefixMatch(w.worker_id, length, tuple(tiers))
+                wid = by_slot[pos >> 2].worker_id
+                slot_runs = tiers[pos]
+                packed = []
+                t, start = slot_runs[0]
+                for t2, start2 in slot_runs[1:]:
+                    packed.append((t, start2 - start))
+                    t, start = t2, start2
+                packed.append((t, length - start))
+                out[wid] = PrefixMatch(wid, length, tuple(packed))  # type: ignore[arg-type]
         return out
 
     # ------------------------------------------------------------------ stats
 
     def __len__(self) -> int:
         """Distinct blocks indexed (held by at least one worker, group or retired slot)."""
-        return len(self._masks)
+        return sum(map(len, self._shards))
 
     def entries(self) -> int:
         """(block, worker, tier) entries currently held by live workers and groups."""
@@ -534,7 +853,7 @@ class PrefixIndex:
         out = []
         for w in self._workers.values():
             blocks = {t.name: w.counts[int(t)] for t in _LOCAL_TIERS}
-            blocks["REMOTE"] = self._remote_counts.get(self._groups[w.group], 0)
+            blocks["REMOTE"] = self._remote_counts.get(w.gslot, 0)
             s = w.stats
             out.append(
                 WorkerIndexStats(
@@ -550,18 +869,20 @@ class PrefixIndex:
                     s.orphans,
                     s.unknown_medium,
                     s.bad_events,
+                    s.ignored,
+                    len(w.emap),
                 )
             )
         return out
 
     def holders(self, digest: int) -> dict[str, list[Tier]]:
         """Which workers hold one block and in which tiers (for tests and debugging)."""
-        v = self._masks.get(digest, 0)
+        b = self._shards[digest & _SHARD_MASK].get(digest, 0) >> _SLOT_BITS
         out: dict[str, list[Tier]] = {}
-        S = self._S
         for w in self._workers.values():
-            ts = [t for t in _LOCAL_TIERS if v >> (int(t) * S + w.slot) & 1]
-            if v >> (3 * S + self._groups[w.group]) & 1:
+            nib = b >> (4 * w.slot)
+            ts = [t for t in _LOCAL_TIERS if nib >> int(t) & 1]
+            if b >> (4 * w.gslot + _REMOTE_BIT) & 1:
                 ts.append(Tier.REMOTE)
             if ts:
                 out[w.worker_id] = ts

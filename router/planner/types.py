@@ -56,12 +56,23 @@ class WorkerView:
     report_age_s: float = 0.0
     # The router's own accounting since that report (reports lag).
     inflight_requests: int = 0  # dispatched, not finished
-    inflight_prefill_tokens: int = 0  # dispatched, first token not yet seen
+    # dispatched, first token not yet seen: the tokens the worker must compute for them
+    # (the chosen Estimate.recompute_tokens when the policy gave one, else prompt tokens)
+    inflight_prefill_tokens: int = 0
     # Caps and capabilities.
     max_waiting: int | None = None
     supports_prefetch: bool = True
     supports_peer_pull: bool = False
     url: str = ""
+    # Optional, more precise inputs (None/0 = unknown; router/planner/load.py falls back).
+    running_prefill_tokens: int = 0  # /load: prefill tokens still to compute for running requests
+    # Dispatched AFTER the last report was taken (so the report cannot know them); when the
+    # gateway tracks these, T_queue adds them to the aged report instead of guessing overlap.
+    inflight_since_report_requests: int | None = None
+    inflight_since_report_prefill_tokens: int | None = None
+    # KV tokens held by this router's in-flight requests (prompt + generated so far), for the
+    # Dynamo-style decode-load term; None falls back to the GPU blocks in use.
+    active_kv_tokens: int | None = None
 
 
 @dataclass(slots=True)
@@ -94,6 +105,7 @@ class Estimate:
     eligible: bool = True
     note: str = ""
     peer_source: str | None = None  # worker to pull PEER blocks from
+    load: float = 0.0  # outstanding requests (what the bounded-load guard and tie-breaks compare)
 
 
 @dataclass(slots=True)
@@ -104,11 +116,20 @@ class Decision:
     policy: str
     reason: str
     predicted_ttft: float | None = None
+    # Per-worker breakdowns: kv_cost/oracle list the workers they evaluated (all that could
+    # win, tie or be the retry target; every worker with all_estimates=True, as
+    # router.planner.explain does); the baselines none (explain fills them).
     estimates: list[Estimate] = field(default_factory=list)
     # What to ask the chosen worker to raise toward GPU before the request arrives.
     prefetch_blocks: int = 0  # leading blocks [0, prefetch_upto) to raise, 0 = none
     prefetch_from_peer: str | None = None
     ranked: list[str] = field(default_factory=list)  # fallback order for one retry
+    # When shed (worker_id None): suggested wait before retrying, for a 429's Retry-After
+    # (the gateway rounds it up to whole seconds).
+    retry_after_s: float | None = None
+    # Tokens the chosen worker is predicted to compute (the rest it loads): what the
+    # gateway should count as that worker's in-flight prefill tokens until first token.
+    recompute_tokens: int | None = None
 
 
 class Policy(Protocol):

@@ -1,0 +1,518 @@
+"""KV-event ingestion: ZMQ subscribers that keep a `PrefixIndex` current (DESIGN.md §4.2).
+
+Each worker publishes vLLM-style frames `[topic, seq (8 bytes big-endian), payload]`
+on a PUB socket and keeps its last batches for replay behind a ROUTER socket. A
+`WorkerSubscriber` follows one worker; an `IngestManager` runs all of them on the
+asyncio loop that owns the index (the index is not thread-safe; see its module doc).
+
+Using it (the gateway)
+----------------------
+    index = PrefixIndex(block_size=16)
+    ingest = IngestManager(index, replay_timeout_s=1.0)
+    # inside the running loop; registers the worker in the index when ns_digest is given
+    ingest.add_worker("w0", "tcp://10.0.0.5:5600", replay_endpoint="tcp://10.0.0.5:5601",
+                      topic="kv", ns_digest=ns.digest, block_size=16, remote_group="rg0")
+    # a vLLM that publishes to tcp://127.0.0.1:P *connects*: the subscriber must bind
+    ingest.add_worker("v1", "tcp://127.0.0.1:5700", bind=True, ns_digest=ns.digest, block_size=32)
+    ingest.health()               # {"w0": {...}, "v1": {...}}, shape below
+    ingest.resync("w0")           # e.g. the worker's /info shows it restarted
+    await ingest.remove_worker("w0")   # stops it and removes it from the index
+    await ingest.close()
+
+`health()[worker_id]` is a dict of plain values:
+    state                "waiting" (nothing yet) | "live" | "replaying" | "stopped"
+    endpoint, replay_endpoint, bind, topic
+    last_seq             last sequence number applied (None before the first)
+    last_event_age_s     seconds since the last batch was applied (None before the first)
+    batches, events      batches and events applied (replayed ones included)
+    blocks_stored, blocks_removed, cleared     what those events did
+    gaps                 sequence gaps seen on the live stream
+    replays              replay requests sent (gaps, first contact with a running publisher)
+    replay_failures      replays that timed out or returned garbage
+    resyncs              times this worker's entries were dropped (cannot cover a gap,
+                         publisher restart, requested); last_resync_reason says why
+    restarts             publisher restarts seen (sequence went backwards)
+    duplicates           batches seen twice (live copies of replayed ones), skipped
+    decode_errors        payloads that were not an event batch, skipped
+    bad_frames           messages with the wrong frame count or a bad sequence frame
+    foreign_topic        messages on another topic (SUB filters by prefix only)
+    bad_events, unknown_removed, orphans, unknown_medium, ignored    from the index
+    unregistered         batches skipped because the worker had left the index already
+    internal_errors      unexpected exceptions caught so that ingestion goes on
+
+Sequence rules
+--------------
+- the next expected batch is applied; a batch with a higher sequence is a gap: the
+  missing ones are replayed from the publisher's ROUTER (request `[b"", start]`
+  from a DEALER, replies `[b"", seq, payload]`, end marker `[b"", -1, b""]`);
+- live batches that arrive meanwhile wait in the SUB socket's queue (high-water
+  mark `rcv_hwm`) and are applied after the replay, in order; the ones the replay
+  already covered are skipped as duplicates;
+- when the replay cannot cover the gap (the first replayed batch is later than the
+  one missing, no replay endpoint, a timeout) the worker's entries are dropped
+  (`PrefixIndex.clear_worker`) and rebuilt from what follows;
+- a sequence going backwards means the publisher restarted: entries dropped, and
+  whatever it still buffers is replayed from 0;
+- on first contact with a publisher already past sequence 0, its buffer is
+  replayed from 0 (whatever it still has; the rest is never known, which only
+  makes the index miss blocks, never invent them).
+Limitation: a publisher that restarts while we are disconnected and overtakes our
+expected sequence before we reconnect looks like a gap, not a restart; the owner
+should call `resync()` when it learns of a restart by other means.
+
+Bad input (wrong frame count, malformed msgpack, unknown tags, wrong field types,
+removals of unknown blocks) is counted and skipped; ingestion never stops on it.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from .events import END_SEQ, EventDecodeError, EventDecoder, seq_from_bytes, seq_to_bytes
+from .index import ApplyStats, IndexError_, PrefixIndex
+
+log = logging.getLogger(__name__)
+
+Buffer = bytes | memoryview
+
+
+@dataclass(slots=True)
+class WorkerHealth:
+    """Counters of one subscriber (see the module doc for each field)."""
+
+    worker_id: str
+    endpoint: str
+    replay_endpoint: str | None
+    bind: bool
+    topic: str
+    state: str = "waiting"
+    last_seq: int | None = None
+    last_event_age_s: float | None = None
+    batches: int = 0
+    events: int = 0
+    blocks_stored: int = 0
+    blocks_removed: int = 0
+    cleared: int = 0
+    gaps: int = 0
+    replays: int = 0
+    replay_failures: int = 0
+    resyncs: int = 0
+    last_resync_reason: str | None = None
+    restarts: int = 0
+    duplicates: int = 0
+    decode_errors: int = 0
+    bad_frames: int = 0
+    foreign_topic: int = 0
+    bad_events: int = 0
+    unknown_removed: int = 0
+    orphans: int = 0
+    unknown_medium: int = 0
+    ignored: int = 0
+    unregistered: int = 0
+    internal_errors: int = 0
+
+    def count(self, st: ApplyStats) -> None:
+        self.blocks_stored += st.stored
+        self.blocks_removed += st.removed
+        self.cleared += st.cleared
+        self.bad_events += st.bad_events
+        self.unknown_removed += st.unknown_removed
+        self.orphans += st.orphans
+        self.unknown_medium += st.unknown_medium
+        self.ignored += st.ignored
+
+
+@dataclass(slots=True)
+class _Replay:
+    """Outcome of one replay request."""
+
+    batches: list[tuple[int, Buffer]] = field(default_factory=list)
+    ok: bool = True  # False: timeout, garbage or too many batches
+
+
+class WorkerSubscriber:
+    """Follows one worker's KV-event stream into the index (see the module doc).
+
+    The socket is created (bound or connected) in the constructor, so a bad
+    endpoint fails at once; `start()` then runs the receive loop as a task on the
+    running loop. The index must already know `worker_id`.
+    """
+
+    def __init__(
+        self,
+        worker_id: str,
+        index: PrefixIndex,
+        ctx: zmq.asyncio.Context,
+        endpoint: str,
+        *,
+        replay_endpoint: str | None = None,
+        topic: str = "kv",
+        bind: bool = False,
+        replay_timeout_s: float = 1.0,
+        max_replay_batches: int = 100_000,
+        rcv_hwm: int = 100_000,
+        max_message_bytes: int = 64 << 20,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if replay_timeout_s <= 0:
+            raise ValueError("replay_timeout_s must be positive")
+        self.worker_id = worker_id
+        self.index = index
+        self._ctx = ctx
+        self._topic = topic.encode()
+        self._replay_endpoint = replay_endpoint
+        self._replay_timeout_s = replay_timeout_s
+        self._max_replay = max_replay_batches
+        self._clock = clock
+        self._decoder = EventDecoder()
+        self._expected: int | None = None  # next sequence to apply; None: no baseline
+        self._dup_floor: int | None = None  # live sequences >= this may repeat replayed ones
+        self._last_applied_at: float | None = None
+        self._catching_up = False
+        self._resync_requested = False
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+        sock = ctx.socket(zmq.SUB)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVHWM, rcv_hwm)
+            sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+            sock.setsockopt(zmq.SUBSCRIBE, self._topic)
+            if bind:
+                sock.bind(endpoint)
+                endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            else:
+                sock.connect(endpoint)
+        except Exception:
+            sock.close(linger=0)
+            raise
+        self._sub = sock
+        self.endpoint = endpoint  # the bound address in bind mode (resolves `:*` / port 0)
+        self.health = WorkerHealth(worker_id, endpoint, replay_endpoint, bind, topic)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self, *, clear: bool = True) -> None:
+        """Run the receive loop on the running event loop.
+
+        With `clear`, first drops whatever the index holds for this worker: entries
+        that no subscriber can vouch for (e.g. left by an earlier subscription).
+        """
+        if self._task is not None:
+            return
+        if clear and self.index.has_worker(self.worker_id):
+            self.index.clear_worker(self.worker_id)
+        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"kv-ingest:{self.worker_id}")
+
+    async def close(self) -> None:
+        """Stop the loop and close the socket."""
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        self._sub.close(linger=0)
+        self.health.state = "stopped"
+
+    def request_resync(self) -> None:
+        """Drop this worker's entries and rebuild them from the publisher's replay buffer."""
+        if self._catching_up:
+            self._resync_requested = True
+        else:
+            self._drop("requested")
+
+    def snapshot(self) -> dict[str, Any]:
+        h = self.health
+        h.last_event_age_s = None if self._last_applied_at is None else self._clock() - self._last_applied_at
+        return asdict(h)
+
+    # ------------------------------------------------------------------ receive loop
+
+    async def _run(self) -> None:
+        sub = self._sub
+        while not self._closed:
+            try:
+                frames = await sub.recv_multipart(copy=False)
+            except asyncio.CancelledError:
+                raise
+            except zmq.ZMQError as e:
+                if self._closed or e.errno in (zmq.ETERM, zmq.ENOTSOCK):
+                    return
+                self.health.internal_errors += 1
+                log.warning("kv-ingest %s: receive failed: %s", self.worker_id, e)
+                await asyncio.sleep(0.1)
+                continue
+            try:
+                await self.on_frames([f.buffer for f in frames])
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # never let one message stop ingestion
+                self.health.internal_errors += 1
+                log.exception("kv-ingest %s: unexpected error on a message", self.worker_id)
+            await asyncio.sleep(0)  # a flood of ready messages must not starve the loop
+
+    async def on_frames(self, frames: Sequence[Buffer]) -> None:
+        """Handle one live message (exposed for tests: frames as received)."""
+        h = self.health
+        if len(frames) != 3:
+            h.bad_frames += 1
+            return
+        topic, seq_frame, payload = frames
+        if self._topic and bytes(topic) != self._topic:
+            h.foreign_topic += 1
+            return
+        try:
+            seq = seq_from_bytes(seq_frame)
+        except ValueError:
+            h.bad_frames += 1
+            return
+        if seq < 0:
+            h.bad_frames += 1
+            return
+        if self._expected is not None and seq < self._expected:
+            if self._dup_floor is not None and seq >= self._dup_floor:
+                h.duplicates += 1
+                return
+            h.restarts += 1
+            self._drop("publisher restarted")
+        if self._expected is None:
+            if seq > 0 and self._replay_endpoint is not None:
+                await self._catch_up(0, seq)
+        elif seq > self._expected:
+            h.gaps += 1
+            await self._catch_up(self._expected, seq)
+        if self._expected is not None:
+            if seq < self._expected:
+                h.duplicates += 1  # the replay already applied it
+                return
+            if seq > self._expected:  # a replay that did not reach this far
+                self._drop("gap not covered by the replay")
+        self._apply(seq, payload)
+        self._dup_floor = None  # live has passed everything a replay returned
+        h.state = "live"
+
+    # ------------------------------------------------------------------ internals
+
+    def _apply(self, seq: int, payload: Buffer) -> None:
+        h = self.health
+        self._expected = seq + 1
+        h.last_seq = seq
+        h.batches += 1
+        try:
+            batch = self._decoder.decode(payload)
+        except EventDecodeError:
+            h.decode_errors += 1
+            return
+        try:
+            st = self.index.apply(self.worker_id, batch)
+        except IndexError_:  # the owner removed the worker from the index before stopping us
+            h.unregistered += 1
+            return
+        h.events += len(batch.events)
+        h.count(st)
+        self._last_applied_at = self._clock()
+
+    def _drop(self, reason: str) -> None:
+        """Forget everything known about this worker; the stream rebuilds it."""
+        if self.index.has_worker(self.worker_id):
+            self.index.clear_worker(self.worker_id)
+        self._expected = None
+        self._dup_floor = None
+        self.health.resyncs += 1
+        self.health.last_resync_reason = reason
+        log.info("kv-ingest %s: entries dropped (%s)", self.worker_id, reason)
+
+    async def _catch_up(self, start: int, trigger_seq: int) -> None:
+        """Replay from `start` and apply what comes back; drop state it cannot cover."""
+        joining = self._expected is None
+        h = self.health
+        if self._replay_endpoint is None:
+            if not joining:
+                self._drop("gap and no replay endpoint")
+            return
+        self._catching_up = True
+        h.state = "replaying"
+        h.replays += 1
+        try:
+            replay = await self._fetch_replay(start)
+            if not replay.ok:
+                h.replay_failures += 1
+            batches = sorted(replay.batches, key=lambda b: b[0]) if replay.ok else []
+            if not joining and (not batches or batches[0][0] != start):
+                self._drop("replay cannot cover the gap" if replay.ok else "replay failed")
+            t0 = time.monotonic()
+            for seq, payload in batches:
+                if self._expected is not None:
+                    if seq < self._expected:
+                        continue
+                    if seq > self._expected:
+                        self._drop("hole in the replay")
+                self._apply(seq, payload)
+                if time.monotonic() - t0 > 0.02:  # long replays share the loop
+                    await asyncio.sleep(0)
+                    t0 = time.monotonic()
+            self._dup_floor = trigger_seq
+        finally:
+            self._catching_up = False
+            h.state = "live"
+            if self._resync_requested:
+                self._resync_requested = False
+                self._drop("requested")
+
+    async def _fetch_replay(self, start: int) -> _Replay:
+        """Ask the publisher's ROUTER for every buffered batch from `start` on.
+
+        Accepts vLLM's replies `[b"", seq, payload]`, the same without the empty
+        delimiter, and TensorRT-LLM's `[b"", topic, seq, payload]`.
+        """
+        assert self._replay_endpoint is not None
+        out = _Replay()
+        sock = self._ctx.socket(zmq.DEALER)  # a fresh socket: no late reply to an old request
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(self._replay_endpoint)
+            await sock.send_multipart([b"", seq_to_bytes(start)])
+            timeout_ms = int(self._replay_timeout_s * 1000)
+            while True:
+                if not await sock.poll(timeout_ms, zmq.POLLIN):
+                    out.ok = False  # timed out: nothing, or no end marker
+                    return out
+                frames = await sock.recv_multipart()
+                if frames and frames[0] == b"":
+                    frames = frames[1:]
+                if len(frames) == 3:
+                    frames = frames[1:]
+                if len(frames) != 2:
+                    self.health.bad_frames += 1
+                    continue
+                try:
+                    seq = seq_from_bytes(frames[0])
+                except ValueError:
+                    self.health.bad_frames += 1
+                    continue
+                if seq == END_SEQ:
+                    return out
+                if seq < 0:
+                    self.health.bad_frames += 1
+                    continue
+                if len(out.batches) >= self._max_replay:
+                    out.ok = False
+                    out.batches = []
+                    return out
+                out.batches.append((seq, frames[1]))
+        except zmq.ZMQError as e:
+            log.warning("kv-ingest %s: replay from %s failed: %s", self.worker_id, self._replay_endpoint, e)
+            out.ok = False
+            return out
+        finally:
+            sock.close(linger=0)
+
+
+class IngestManager:
+    """All subscribers of one gateway, on one asyncio loop (see the module doc).
+
+    Constructor: `IngestManager(index, *, replay_timeout_s=1.0, max_replay_batches=100_000,
+    ctx=None)`; pass a `zmq.asyncio.Context` to share one, otherwise the manager owns
+    (and on `close()` terminates) its own.
+    """
+
+    def __init__(
+        self,
+        index: PrefixIndex,
+        *,
+        replay_timeout_s: float = 1.0,
+        max_replay_batches: int = 100_000,
+        ctx: zmq.asyncio.Context | None = None,
+    ) -> None:
+        self.index = index
+        self._own_ctx = ctx is None
+        self._ctx = ctx if ctx is not None else zmq.asyncio.Context()
+        self._replay_timeout_s = replay_timeout_s
+        self._max_replay = max_replay_batches
+        self._subs: dict[str, WorkerSubscriber] = {}
+
+    def add_worker(
+        self,
+        worker_id: str,
+        endpoint: str,
+        *,
+        replay_endpoint: str | None = None,
+        topic: str = "kv",
+        bind: bool = False,
+        ns_digest: bytes | None = None,
+        block_size: int | None = None,
+        remote_group: str | None = None,
+    ) -> WorkerSubscriber:
+        """Subscribe to a worker's events; call from inside the running loop.
+
+        Registers the worker in the index first unless it is registered already
+        (then `ns_digest` may be omitted). Raises ValueError when already
+        subscribed, IndexError_ for a refused registration (e.g. block size),
+        zmq.ZMQError for an endpoint that cannot be bound or parsed.
+        """
+        if worker_id in self._subs:
+            raise ValueError(f"worker {worker_id!r} is already subscribed")
+        asyncio.get_running_loop()  # RuntimeError outside a loop, before any side effect
+        registered = False
+        if not self.index.has_worker(worker_id):
+            if ns_digest is None:
+                raise ValueError(f"worker {worker_id!r} is not in the index: pass ns_digest to register it")
+            self.index.add_worker(worker_id, ns_digest, block_size, remote_group)
+            registered = True
+        try:
+            sub = WorkerSubscriber(
+                worker_id,
+                self.index,
+                self._ctx,
+                endpoint,
+                replay_endpoint=replay_endpoint,
+                topic=topic,
+                bind=bind,
+                replay_timeout_s=self._replay_timeout_s,
+                max_replay_batches=self._max_replay,
+            )
+        except Exception:
+            if registered:
+                self.index.remove_worker(worker_id)
+            raise
+        self._subs[worker_id] = sub
+        sub.start(clear=not registered)
+        return sub
+
+    async def remove_worker(self, worker_id: str, *, forget: bool = True) -> None:
+        """Stop following a worker; with `forget`, also remove it from the index."""
+        sub = self._subs.pop(worker_id, None)
+        if sub is not None:
+            await sub.close()
+        if forget and self.index.has_worker(worker_id):
+            self.index.remove_worker(worker_id)
+
+    def resync(self, worker_id: str) -> None:
+        """Drop a worker's entries and rebuild them from its replay buffer and live stream."""
+        sub = self._subs.get(worker_id)
+        if sub is None:
+            raise KeyError(worker_id)
+        sub.request_resync()
+
+    def subscriber(self, worker_id: str) -> WorkerSubscriber | None:
+        return self._subs.get(worker_id)
+
+    def health(self) -> dict[str, dict[str, Any]]:
+        return {wid: sub.snapshot() for wid, sub in self._subs.items()}
+
+    async def close(self) -> None:
+        """Stop every subscriber (the index keeps its entries) and release the context."""
+        subs, self._subs = list(self._subs.values()), {}
+        for sub in subs:
+            await sub.close()
+        if self._own_ctx:
+            self._ctx.term()

@@ -1,0 +1,408 @@
+"""`python -m loadtest.cli` (also `kvroute loadtest ...`): replay, simulate, scenario,
+report, compare, trace.
+
+    replay    --trace FILE [--url http://127.0.0.1:8000] [--speed X] [--concurrency N] ...
+    simulate  --trace FILE --workers N --profile NAME --policies a,b,... [--tiers T | --tier-sweep]
+              [--find-load] ...
+    scenario  list | all | NAME [--size small|full]
+    report    RESULTS.jsonl... --out DIR
+    compare   --trace FILE --policies a,b [--limit N]   (offline simulator vs HTTP replay)
+    trace     stats FILE | convert FILE --out OUT.jsonl
+
+Every command writes results as JSONL plus a Markdown report with PNG plots into
+`--out` (default: runs/<command>-<time>/) and prints the main table. Exit status:
+0 = done (for `scenario`: every check passed), 1 = a check failed, 2 = bad input.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .trace import Trace, TraceError
+
+
+def _out_dir(arg: str | None, what: str) -> Path:
+    if arg:
+        return Path(arg)
+    return Path("runs") / f"{what}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def _value(s: str) -> Any:
+    low = s.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low in ("none", "null"):
+        return None
+    for cast in (int, float):
+        try:
+            return cast(s)
+        except ValueError:
+            pass
+    return s
+
+
+def _policy_params(items: list[str]) -> dict[str, dict[str, Any]]:
+    """`--param kv_cost.balance_eps=0.2` → {"kv_cost": {"balance_eps": 0.2}}."""
+    out: dict[str, dict[str, Any]] = {}
+    for it in items:
+        key, sep, val = it.partition("=")
+        pol, dot, name = key.partition(".")
+        if not sep or not dot or not pol or not name:
+            raise TraceError(f"--param {it!r}: expected POLICY.NAME=VALUE")
+        out.setdefault(pol, {})[name] = _value(val)
+    return out
+
+
+# ------------------------------------------------------------------ trace options
+
+
+def _add_trace_args(p: argparse.ArgumentParser, required: bool = True) -> None:
+    g = p.add_argument_group("trace")
+    g.add_argument("--trace", required=required, help="trace file (Mooncake JSONL, Azure CSV, BurstGPT CSV)")
+    g.add_argument("--format", default="auto", choices=["auto", "mooncake", "azure", "burstgpt"])
+    g.add_argument("--block-tokens", type=int, default=512, help="Mooncake file's block size (default 512)")
+    g.add_argument("--start", type=float, default=0.0, help="skip arrivals before this many trace seconds")
+    g.add_argument("--duration", type=float, default=None, help="keep this many trace seconds from --start")
+    g.add_argument("--limit", type=int, default=None, help="keep at most this many requests")
+    g.add_argument("--speed", type=float, default=1.0, help="arrival-rate factor (2 = twice as fast)")
+    g.add_argument("--vocab-size", type=int, default=8192, help="synthesised token ids lie below this")
+    g.add_argument("--seed", type=int, default=0, help="token synthesis and sharing-model seed")
+    s = p.add_argument_group("prefix-sharing model for traces without prefixes (loadtest/sharing.py)")
+    s.add_argument("--sharing", choices=["model", "none"], default="model")
+    s.add_argument("--followup-prob", type=float, default=0.3)
+    s.add_argument("--system-prob", type=float, default=0.6)
+    s.add_argument("--system-prompts", type=int, default=8)
+    s.add_argument("--system-tokens", type=int, default=768, help="median system-prompt length")
+    s.add_argument("--session-idle", type=float, default=900.0)
+    s.add_argument("--burst-model", default=None, help="BurstGPT: keep only this Model")
+    s.add_argument("--burst-log-type", default=None, help='BurstGPT: keep only this Log Type ("Conversation log")')
+
+
+def _load(args: argparse.Namespace) -> Trace:
+    from .sharing import SharingModel
+    from .traces import load_trace
+
+    sharing = None
+    if args.sharing == "model":
+        sharing = SharingModel(
+            seed=args.seed, followup_prob=args.followup_prob, system_prob=args.system_prob,
+            system_prompts=args.system_prompts, system_tokens_median=args.system_tokens,
+            session_idle_s=args.session_idle,
+        )
+    trace = load_trace(args.trace, args.format, block_tokens=args.block_tokens, sharing=sharing,
+                       model=args.burst_model, log_type=args.burst_log_type)
+    if args.start or args.duration is not None or args.limit is not None:
+        trace = trace.window(args.start, args.duration, args.limit)
+    if not trace.requests:
+        raise TraceError("the selected window of the trace has no requests")
+    trace.validate()
+    return trace
+
+
+# ------------------------------------------------------------------ replay
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from .replay import ReplayConfig, run_replay
+    from .report import latency_table, write_report
+    from .results import ResultsWriter, read_runs
+    from .summary import summarize
+    from .tokens import TokenSynth
+
+    trace = _load(args)
+    synth = TokenSynth.for_trace(trace, vocab_size=args.vocab_size, seed=args.seed)
+    cfg = ReplayConfig(
+        url=args.url, endpoint=args.endpoint, model=args.model, speed=args.speed, concurrency=args.concurrency,
+        duration_s=args.max_time, request_timeout_s=args.timeout, api_key=args.api_key,
+        ignore_eos=not args.no_ignore_eos, progress=not args.no_progress and sys.stderr.isatty(),
+    )
+    out = _out_dir(args.out, "replay")
+    out.mkdir(parents=True, exist_ok=True)
+    res_path = out / "results.jsonl"
+    label = args.label or f"replay@{cfg.base.split('//', 1)[-1]}"
+    with ResultsWriter(res_path) as w:
+        run_replay(trace, synth, cfg, label=label, writer=w,
+                   meta_extra={"policy": args.policy_label, "workers": args.workers_label})
+    runs = read_runs(res_path)
+    md = write_report(runs, out, title=f"Replay of {trace.name}", notes=_trace_notes(trace, args.speed))
+    print(latency_table([summarize(r) for r in runs]))
+    print(f"\nresults: {res_path}\nreport:  {md}")
+    return 0
+
+
+def _trace_notes(trace: Trace, speed: float) -> list[str]:
+    st = trace.stats()
+    notes = [
+        f"trace {trace.name} ({trace.source or 'in memory'}): {st.requests} requests over {st.span_s:.0f} s "
+        f"({st.rate_rps:.2f} req/s at speed 1), input p50 {st.input_p50:.0f} / p99 {st.input_p99:.0f} tokens, "
+        f"ideal prefix reuse {st.ideal_token_reuse:.1%} of tokens",
+        f"speed factor {speed:g} (arrival times divided by it)",
+    ]
+    notes += trace.notes
+    return notes
+
+
+# ------------------------------------------------------------------ simulate
+
+
+def _sim_settings(args: argparse.Namespace, tiers: str) -> Any:
+    from .fleet import FleetSpec
+    from .router_model import RouterSettings
+    from .simulate import SimSettings
+
+    return SimSettings(
+        fleet=FleetSpec(workers=args.workers, profile=args.profile, tiers=tiers, block_size=args.block_size,
+                        remote_groups=args.remote_groups, max_waiting=args.max_waiting),
+        router=RouterSettings(poll_interval_s=args.poll_interval, event_lag_s=args.event_lag,
+                              prefetch=not args.no_prefetch),
+        speed=args.speed,
+        vocab_size=args.vocab_size,
+        seed=args.seed,
+    )
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from router.planner.registry import POLICY_NAMES
+
+    from .fleet import TIER_SWEEP, parse_tiers
+    from .report import baseline_table, cache_table, latency_table, write_report
+    from .results import ResultsWriter
+    from .summary import summarize
+    from .sweep import find_load, plan_jobs, run_matrix
+
+    trace = _load(args)
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    bad = [p for p in policies if p not in POLICY_NAMES]
+    if bad or not policies:
+        raise TraceError(f"unknown policy {bad or args.policies!r}; choose from {', '.join(POLICY_NAMES)}")
+    tier_sets = list(TIER_SWEEP) if args.tier_sweep else [args.tiers]
+    for t in tier_sets:
+        parse_tiers(t)
+    params = _policy_params(args.param)
+    out = _out_dir(args.out, "simulate")
+    out.mkdir(parents=True, exist_ok=True)
+    notes: list[str] = []
+    speed = args.speed
+    if args.find_load:
+        base = _sim_settings(args, tier_sets[-1])
+        found, probes = find_load(trace, base, ratio=args.target_ratio)
+        for pr in probes:
+            line = (f"load search: round_robin at speed {pr.speed:g}: TTFT p50 {pr.p50 * 1000:.0f} ms, "
+                    f"p99 {pr.p99 * 1000:.0f} ms, p99/p50 = {pr.ratio:.1f}")
+            print(line)
+            notes.append(line)
+        if found is None:
+            print(f"no speed on the ladder gives p99/p50 >= {args.target_ratio}; using --speed {speed:g}")
+        else:
+            speed = found
+            notes.append(f"chosen speed {speed:g}: the first on the ladder where round_robin's p99 TTFT >= "
+                         f"{args.target_ratio:g}x its p50")
+    args.speed = speed
+    jobs = plan_jobs(policies, tier_sets, params)
+    res_path = out / "results.jsonl"
+    with ResultsWriter(res_path) as w:
+        def done(run: Any) -> None:
+            w.write_run(run.meta, run.results)
+            s = summarize(run)
+            print(f"  {run.meta.run:<28} TTFT p50 {s.ttft['p50'] * 1000:8.1f} ms  p99 {s.ttft['p99'] * 1000:9.1f} ms"
+                  f"  ok {s.ok}/{s.requests}  ({run.meta.wall_s:.1f} s wall)", flush=True)
+
+        runs = run_matrix(trace, _sim_settings(args, tier_sets[0]), jobs, parallel=args.jobs, on_run=done)
+    sums = [summarize(r) for r in runs]
+    notes = _trace_notes(trace, speed) + [
+        f"fleet: {args.workers} x {args.profile}, block size {runs[0].meta.params.get('block_size')}, "
+        f"load poll {args.poll_interval:g} s, event lag {args.event_lag:g} s, prefetch "
+        f"{'off' if args.no_prefetch else 'on'}"] + notes
+    md = write_report(runs, out, title=f"Simulation of {trace.name}", notes=notes, plots=not args.no_plots)
+    print()
+    print(latency_table(sums))
+    print()
+    print(baseline_table(sums))
+    print()
+    print(cache_table(sums))
+    print(f"\nresults: {res_path}\nreport:  {md}")
+    return 0
+
+
+# ------------------------------------------------------------------ report, trace
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from .report import latency_table, write_report
+    from .results import read_runs
+    from .summary import summarize
+
+    runs = read_runs(*args.results)
+    if not runs:
+        raise TraceError("no runs in the given results files")
+    if args.runs:
+        keep = set(args.runs.split(","))
+        runs = [r for r in runs if r.meta.run in keep]
+    md = write_report(runs, _out_dir(args.out, "report"), title=args.title, plots=not args.no_plots)
+    print(latency_table([summarize(r) for r in runs]))
+    print(f"\nreport: {md}")
+    return 0
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    from .mooncake import dump_mooncake
+
+    trace = _load(args)
+    st = trace.stats()
+    for k, v in st.to_dict().items():
+        print(f"{k:>20}: {v:.4g}" if isinstance(v, float) else f"{k:>20}: {v}")
+    for n in trace.notes:
+        print(f"{'note':>20}: {n}")
+    if args.action == "convert":
+        if not args.to:
+            raise TraceError("trace convert needs --to OUT.jsonl")
+        if trace.block_tokens != 512:
+            print(f"note: the Mooncake file will use {trace.block_tokens}-token blocks; "
+                  f"read it back with --block-tokens {trace.block_tokens}")
+        n = dump_mooncake(trace, args.to)
+        print(f"wrote {n} requests to {args.to}")
+    return 0
+
+
+# ------------------------------------------------------------------ scenario, compare
+
+
+def cmd_scenario(args: argparse.Namespace) -> int:
+    from .scenarios import SCENARIOS, run_scenario
+
+    if args.name == "list":
+        for name, sc in SCENARIOS.items():
+            print(f"{name:<22} {sc.summary}")
+        return 0
+    names = list(SCENARIOS) if args.name == "all" else [args.name]
+    for n in names:
+        if n not in SCENARIOS:
+            raise TraceError(f"unknown scenario {n!r}; `scenario list` shows them")
+    out = _out_dir(args.out, "scenario")
+    failed = 0
+    for n in names:
+        result = run_scenario(n, size=args.size, out_dir=out / n, seed=args.seed)
+        failed += not result.passed
+    if len(names) > 1:
+        print(f"\n{len(names) - failed}/{len(names)} scenarios passed")
+    return 1 if failed else 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from .compare import CompareConfig, run_compare
+
+    trace = _load(args)
+    cfg = CompareConfig(
+        policies=[p.strip() for p in args.policies.split(",") if p.strip()],
+        workers=args.workers, profile=args.profile, speed=args.speed, block_size=args.block_size,
+        tolerance=args.tolerance, seed=args.seed, vocab_size=args.vocab_size, base_port=args.base_port,
+        python=args.python,
+    )
+    ok = run_compare(trace, cfg, _out_dir(args.out, "compare"))
+    return 0 if ok else 1
+
+
+# ------------------------------------------------------------------ parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="kvroute loadtest", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("replay", help="open-loop HTTP replay against an OpenAI-compatible URL")
+    _add_trace_args(p)
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="base URL (default: the local gateway)")
+    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    p.add_argument("--model", default=None, help="model name (default: the first of /v1/models)")
+    p.add_argument("--concurrency", type=int, default=256, help="in-flight bound; beyond it = client queueing")
+    p.add_argument("--max-time", type=float, default=None, help="stop sending after this many seconds")
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--no-ignore-eos", action="store_true", help="for servers that reject ignore_eos")
+    p.add_argument("--label", default=None, help="run label in the results")
+    p.add_argument("--policy-label", default=None, help="the server's routing policy, for the report")
+    p.add_argument("--workers-label", type=int, default=None, help="the fleet size, for the report")
+    p.add_argument("--out", default=None)
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(fn=cmd_replay)
+
+    p = sub.add_parser("simulate", help="offline discrete-event comparison of routing policies")
+    _add_trace_args(p)
+    _add_fleet_args(p)
+    p.add_argument("--policies", default="round_robin,least_loaded,prefix_hash,cache_aware,dynamo,kv_cost,oracle")
+    p.add_argument("--tiers", default="all", help="gpu | gpu,cpu | gpu,cpu,disk | gpu,cpu,disk,remote | all")
+    p.add_argument("--tier-sweep", action="store_true", help="run every policy with gpu, gpu,cpu, gpu,cpu,disk, all")
+    p.add_argument("--find-load", action="store_true",
+                   help="pick the speed where round_robin's p99 TTFT >= --target-ratio x its p50")
+    p.add_argument("--target-ratio", type=float, default=5.0)
+    p.add_argument("--param", action="append", default=[], help="policy parameter: POLICY.NAME=VALUE")
+    p.add_argument("--jobs", type=int, default=1, help="simulations in parallel processes")
+    p.add_argument("--out", default=None)
+    p.add_argument("--no-plots", action="store_true")
+    p.set_defaults(fn=cmd_simulate)
+
+    p = sub.add_parser("scenario", help="the seed load tests (offline simulator)")
+    p.add_argument("name", help="a scenario name, `list`, or `all`")
+    p.add_argument("--size", choices=["small", "full"], default="full")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None)
+    p.set_defaults(fn=cmd_scenario)
+
+    p = sub.add_parser("report", help="re-render a report from results JSONL files")
+    p.add_argument("results", nargs="+")
+    p.add_argument("--out", default=None)
+    p.add_argument("--title", default="kvroute load test")
+    p.add_argument("--runs", default=None, help="comma list of run labels to keep")
+    p.add_argument("--no-plots", action="store_true")
+    p.set_defaults(fn=cmd_report)
+
+    p = sub.add_parser("compare", help="offline simulator vs HTTP replay (sim cluster + gateway), p50 TTFT")
+    _add_trace_args(p)
+    p.add_argument("--policies", default="round_robin,kv_cost")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--profile", default="h200-llama3.1-8b")
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--tolerance", type=float, default=0.10)
+    p.add_argument("--base-port", type=int, default=0, help="first worker port (0 = pick free ports)")
+    p.add_argument("--python", default=sys.executable, help="interpreter for the sim cluster and gateway")
+    p.add_argument("--out", default=None)
+    p.set_defaults(fn=cmd_compare)
+
+    p = sub.add_parser("trace", help="trace statistics, or convert to Mooncake JSONL")
+    p.add_argument("action", choices=["stats", "convert"])
+    _add_trace_args(p)
+    p.add_argument("--to", default=None, help="convert: output .jsonl")
+    p.set_defaults(fn=cmd_trace)
+    return ap
+
+
+def _add_fleet_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("simulated fleet and router")
+    g.add_argument("--workers", type=int, default=8)
+    g.add_argument("--profile", default="h200-llama3.1-8b")
+    g.add_argument("--block-size", type=int, default=None, help="override the profile's block size (e.g. 64)")
+    g.add_argument("--remote-groups", type=int, default=1)
+    g.add_argument("--max-waiting", type=int, default=None)
+    g.add_argument("--poll-interval", type=float, default=0.1, help="load-report poll period (s), as the gateway")
+    g.add_argument("--event-lag", type=float, default=0.0, help="KV-event delivery delay (s)")
+    g.add_argument("--no-prefetch", action="store_true")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.fn(args))
+    except (TraceError, ValueError) as e:  # bad input: traces, profiles, policy names/params
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""Does the offline simulator tell the truth? The same trace slice, the same fleet,
+the same policy — once on the virtual clock, once for real over HTTP — and the p50
+TTFT of each policy compared (the acceptance bound is 10%).
+
+The HTTP side runs what a user would run, as separate processes: `python -m
+workers.cli sim-cluster` (N simulated workers with the same profile, block size and
+one REMOTE group, restarted for each policy so every run starts cold, as the offline
+one does) and the gateway (`python -m router.cli serve` with a generated config
+naming those workers and the policy). Routing decisions are the gateway's own — the
+replay only sends the trace (token ids, open loop) to its OpenAI endpoint.
+
+Both sides measure TTFT from the moment a request is issued; the HTTP side adds the
+real costs the simulator leaves out (HTTP, JSON, the gateway's hot path, event and
+report delivery over ZMQ/HTTP), which is exactly what the comparison is meant to
+bound. A loaded machine inflates the HTTP side: run it on an otherwise idle host.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from .fleet import FleetSpec
+from .replay import ReplayConfig, run_replay
+from .report import latency_table, write_report
+from .results import ResultsWriter, Run, read_runs
+from .router_model import RouterSettings
+from .simulate import SimSettings, Simulation
+from .summary import summarize
+from .tokens import TokenSynth
+from .trace import Trace, TraceError
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass(slots=True)
+class CompareConfig:
+    policies: list[str] = field(default_factory=lambda: ["round_robin", "kv_cost"])
+    workers: int = 4
+    profile: str = "h200-llama3.1-8b"
+    speed: float = 1.0
+    block_size: int | None = None
+    tolerance: float = 0.10
+    seed: int = 0
+    vocab_size: int = 8192
+    base_port: int = 0
+    python: str = sys.executable
+    remote_groups: int = 1
+    ready_timeout_s: float = 90.0
+
+
+def _free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=15)
+    except (subprocess.TimeoutExpired, ProcessLookupError, PermissionError):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        proc.wait(timeout=5)
+
+
+def _start_cluster(cfg: CompareConfig, log: Path) -> tuple[subprocess.Popen[str], list[str]]:
+    cmd = [cfg.python, "-m", "workers.cli", "sim-cluster", "--workers", str(cfg.workers), "--profile", cfg.profile,
+           "--base-port", str(cfg.base_port), "--host", "127.0.0.1", "--remote-groups", str(cfg.remote_groups)]
+    if cfg.block_size:
+        cmd += ["--block-size", str(cfg.block_size)]
+    proc = subprocess.Popen(cmd, cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    urls: list[str] = []
+    deadline = time.monotonic() + cfg.ready_timeout_s
+    assert proc.stdout is not None
+    with log.open("a") as f:
+        while True:
+            if time.monotonic() > deadline:
+                _stop(proc)
+                raise TraceError(f"sim-cluster not ready after {cfg.ready_timeout_s:.0f}s (log: {log})")
+            line = proc.stdout.readline()
+            if not line:
+                raise TraceError(f"sim-cluster exited with {proc.wait()} (log: {log})")
+            f.write(line)
+            words = line.split()
+            if words == ["ready"]:
+                break
+            if words and words[0] == "worker":
+                urls += [w[4:] for w in words[2:] if w.startswith("url=")]
+    # Keep draining its output so it never blocks on a full pipe.
+    import threading
+
+    def drain() -> None:
+        with log.open("a") as f2:
+            for ln in proc.stdout:  # type: ignore[union-attr]
+                f2.write(ln)
+
+    threading.Thread(target=drain, daemon=True).start()
+    return proc, urls
+
+
+def _gateway_config(cfg: CompareConfig, policy: str, urls: list[str], port: int) -> dict[str, object]:
+    model: dict[str, object] = {"id": _profile_model(cfg.profile), "tokenizer": str(REPO / "configs" / "assets" /
+                                                                                    "tiny-tokenizer"),
+                                "profile": cfg.profile}
+    if cfg.block_size:
+        model["namespace"] = {"block_size": cfg.block_size}
+    return {
+        "listen": {"host": "127.0.0.1", "port": port},
+        "models": [model],
+        "workers": [{"id": f"w{i}", "url": u, "kind": "kvroute"} for i, u in enumerate(urls)],
+        "routing": {"policy": policy},
+        "observability": {"log_level": "WARNING"},
+    }
+
+
+def _profile_model(profile: str) -> str:
+    from workers.sim import load_profile
+
+    return load_profile(profile).model
+
+
+def _start_gateway(cfg: CompareConfig, conf: Path, port: int, log: Path, n_workers: int) -> subprocess.Popen[str]:
+    f = log.open("a")
+    proc = subprocess.Popen([cfg.python, "-m", "router.cli", "serve", "--config", str(conf)], cwd=str(REPO),
+                            stdout=f, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.monotonic() + cfg.ready_timeout_s
+    url = f"http://127.0.0.1:{port}/ready"
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise TraceError(f"the gateway exited with {proc.returncode} (log: {log})")
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as r:
+                if r.status == 200:
+                    time.sleep(1.0)  # let every worker's first load report and event stream arrive
+                    return proc
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.2)
+    _stop(proc)
+    raise TraceError(f"the gateway was not ready after {cfg.ready_timeout_s:.0f}s (log: {log})")
+
+
+def offline_run(trace: Trace, cfg: CompareConfig, policy: str, synth: TokenSynth) -> Run:
+    st = SimSettings(
+        fleet=FleetSpec(workers=cfg.workers, profile=cfg.profile, tiers="all", block_size=cfg.block_size,
+                        remote_groups=cfg.remote_groups),
+        router=RouterSettings(),
+        speed=cfg.speed,
+        vocab_size=cfg.vocab_size,
+        seed=cfg.seed,
+    )
+    return Simulation(trace, policy, st, label=f"sim:{policy}", synth=synth).run()
+
+
+def http_run(trace: Trace, cfg: CompareConfig, policy: str, synth: TokenSynth, out: Path,
+             writer: ResultsWriter) -> None:
+    log = out / f"http-{policy}.log"
+    cluster, urls = _start_cluster(cfg, log)
+    gw: subprocess.Popen[str] | None = None
+    try:
+        if len(urls) != cfg.workers:
+            raise TraceError(f"sim-cluster announced {len(urls)} workers, expected {cfg.workers}")
+        port = _free_port()
+        conf = out / f"gateway-{policy}.yaml"
+        conf.write_text(yaml.safe_dump(_gateway_config(cfg, policy, urls, port)))
+        gw = _start_gateway(cfg, conf, port, log, len(urls))
+        rc = ReplayConfig(url=f"http://127.0.0.1:{port}", model=_profile_model(cfg.profile), speed=cfg.speed,
+                          concurrency=1024, progress=False)
+        run_replay(trace, synth, rc, label=f"http:{policy}", writer=writer,
+                   meta_extra={"policy": policy, "workers": cfg.workers, "profile": cfg.profile})
+    finally:
+        if gw is not None:
+            _stop(gw)
+        _stop(cluster)
+
+
+def run_compare(trace: Trace, cfg: CompareConfig, out: Path) -> bool:
+    """Both sides per policy; prints the table and a PASS/FAIL line per policy."""
+    out.mkdir(parents=True, exist_ok=True)
+    synth = TokenSynth.for_trace(trace, vocab_size=cfg.vocab_size, seed=cfg.seed)
+    res = out / "results.jsonl"
+    with ResultsWriter(res) as w:
+        for pol in cfg.policies:
+            run = offline_run(trace, cfg, pol, synth)
+            w.write_run(run.meta, run.results)
+            print(f"offline {pol}: p50 TTFT {summarize(run).ttft['p50'] * 1000:.1f} ms", flush=True)
+            http_run(trace, cfg, pol, synth, out, w)
+            w.flush()
+    runs = read_runs(res)
+    sums = {r.meta.run: summarize(r) for r in runs}
+    print(latency_table(list(sums.values())))
+    lines = []
+    ok_all = True
+    for pol in cfg.policies:
+        a, b = sums.get(f"sim:{pol}"), sums.get(f"http:{pol}")
+        if a is None or b is None or b.ok < b.requests:
+            lines.append(f"FAIL {pol}: the HTTP run has failures ({b.errors if b else 'missing'})")
+            ok_all = False
+            continue
+        rel = abs(b.ttft["p50"] - a.ttft["p50"]) / a.ttft["p50"]
+        ok = rel <= cfg.tolerance
+        ok_all &= ok
+        lines.append(f"{'PASS' if ok else 'FAIL'} {pol}: p50 TTFT offline {a.ttft['p50'] * 1000:.1f} ms, "
+                     f"HTTP {b.ttft['p50'] * 1000:.1f} ms, difference {rel:.1%} (bound {cfg.tolerance:.0%})")
+    for ln in lines:
+        print(ln)
+    write_report(runs, out, title=f"Offline simulator vs HTTP replay: {trace.name}", notes=lines)
+    print(f"report: {out / 'report.md'}")
+    return ok_all

@@ -1,0 +1,226 @@
+"""Markdown report + PNG plots for one or more runs (replays and/or simulations).
+
+Tables: TTFT / TPOT / E2E p50-p95-p99, throughput, hit rate per tier, recompute
+avoided, prefetch hidden time, predicted-vs-actual TTFT error, and each run against
+its baselines — no routing (`round_robin`, same tiers and mode) and no offload
+(same policy, GPU-only tiers) — as ratios of p50 and p99, not averages alone.
+Plots (matplotlib, Agg backend: no display needed): TTFT CDF per run, TTFT
+percentiles per run, prompt tokens served per tier, predicted vs actual TTFT.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from .results import Run
+from .summary import TIERS, RunSummary, summarize
+
+
+def _ms(x: float) -> str:
+    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x * 1000:.1f}"
+
+
+def _pct(x: float) -> str:
+    return "–" if x is None or math.isnan(x) else f"{x * 100:.1f}%"
+
+
+def _ratio(a: float, b: float) -> str:
+    if any(v is None or math.isnan(v) for v in (a, b)) or b <= 0:
+        return "–"
+    return f"{a / b:.2f}×"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " if i == 0 else " ---: " for i in range(len(header))) + "|"]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def latency_table(sums: Sequence[RunSummary]) -> str:
+    rows = []
+    for s in sums:
+        rows.append(
+            [s.run, f"{s.ok}/{s.requests}"]
+            + [_ms(s.ttft[k]) for k in ("p50", "p95", "p99")]
+            + [_ms(s.tpot[k]) for k in ("p50", "p95", "p99")]
+            + [_ms(s.e2e[k]) for k in ("p50", "p95", "p99")]
+            + [f"{s.throughput_rps:.2f}", f"{s.output_tps:.0f}", _ms(s.client_queue_p99)]
+        )
+    return _table(
+        ["run", "ok", "TTFT p50 ms", "p95", "p99", "TPOT p50 ms", "p95", "p99", "E2E p50 ms", "p95", "p99",
+         "req/s", "out tok/s", "client queue p99 ms"],
+        rows,
+    )
+
+
+def cache_table(sums: Sequence[RunSummary]) -> str:
+    rows = []
+    for s in sums:
+        rows.append(
+            [s.run]
+            + [_pct(s.hit_rate.get(t, 0.0)) for t in TIERS]
+            + [_pct(s.recompute_avoided), str(s.prefetch_requests), f"{s.prefetch_hidden_s:.2f}",
+               _pct(s.pred_abs_rel_err_p50), _pct(s.pred_abs_rel_err_p90), _pct(s.pred_bias)]
+        )
+    return _table(
+        ["run"] + [f"hit {t}" for t in TIERS]
+        + ["recompute avoided", "prefetched reqs", "prefetch hidden s", "|pred err| p50", "p90", "bias p50"],
+        rows,
+    )
+
+
+def baseline_table(sums: Sequence[RunSummary]) -> str:
+    """Each run's TTFT p50/p99 as a ratio of its no-routing and no-offload baselines (< 1 = better)."""
+    by_key = {(s.mode, s.policy, s.tiers): s for s in sums}
+    rows = []
+    for s in sums:
+        rr = by_key.get((s.mode, "round_robin", s.tiers))
+        gpu = by_key.get((s.mode, s.policy, "gpu"))
+        rows.append(
+            [
+                s.run,
+                _ratio(s.ttft["p50"], rr.ttft["p50"]) if rr and rr is not s else "–",
+                _ratio(s.ttft["p99"], rr.ttft["p99"]) if rr and rr is not s else "–",
+                _ratio(s.ttft["p50"], gpu.ttft["p50"]) if gpu and gpu is not s else "–",
+                _ratio(s.ttft["p99"], gpu.ttft["p99"]) if gpu and gpu is not s else "–",
+            ]
+        )
+    return _table(
+        ["run", "TTFT p50 vs round_robin", "p99 vs round_robin", "p50 vs GPU-only", "p99 vs GPU-only"], rows
+    )
+
+
+def markdown(runs: Sequence[Run], title: str = "kvroute load test", notes: Sequence[str] = (),
+             plots: Sequence[str] = ()) -> str:
+    sums = [summarize(r) for r in runs]
+    parts = [f"# {title}", ""]
+    for n in notes:
+        parts.append(f"- {n}")
+    if notes:
+        parts.append("")
+    parts += ["## Runs", ""]
+    parts.append(_table(
+        ["run", "mode", "policy", "tiers", "trace", "speed", "workers", "profile", "errors"],
+        [[r.meta.run, r.meta.mode, r.meta.policy or "–", r.meta.tiers, r.meta.trace, f"{r.meta.speed:g}",
+          str(r.meta.workers or "–"), r.meta.profile or "–",
+          ", ".join(f"{k}: {v}" for k, v in s.errors.items()) or "0"] for r, s in zip(runs, sums)],
+    ))
+    parts += ["", "## Latency (ms) and throughput", "", latency_table(sums)]
+    parts += ["", "## Against the baselines (TTFT ratio, < 1 is better)", "", baseline_table(sums)]
+    parts += ["", "## Cache, prefetch and prediction", "",
+              "Hit = share of prompt tokens served from each tier; recompute avoided = share not prefilled; "
+              "prefetch hidden = load seconds taken off critical paths; pred err = |predicted − actual| / actual "
+              "TTFT of the planner's estimate.", "", cache_table(sums)]
+    stat_runs = [(s.run, s.stats) for s in sums if s.stats]
+    if stat_runs:
+        parts += ["", "## Run counters", ""]
+        for name, st in stat_runs:
+            parts.append(f"- **{name}**: " + ", ".join(f"{k}={_fmt(v)}" for k, v in st.items()))
+    if plots:
+        parts += ["", "## Plots", ""]
+        parts += [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
+    return "\n".join(parts) + "\n"
+
+
+def _fmt(v: object) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def plot_all(runs: Sequence[Run], out_dir: Path) -> list[Path]:
+    """Write the PNGs; returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    sums = [summarize(r) for r in runs]
+    paths: list[Path] = []
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for r in runs:
+        t = np.sort([x.ttft_s for x in r.results if x.ok and x.ttft_s is not None])
+        if t.size:
+            ax.plot(t * 1000, np.arange(1, t.size + 1) / t.size, label=r.meta.run)
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (ms, log)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title("TTFT CDF")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    paths.append(out_dir / "ttft_cdf.png")
+    fig.tight_layout()
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(sums) + 2), 4.5))
+    x = np.arange(len(sums))
+    for i, (k, w) in enumerate((("p50", -0.27), ("p95", 0.0), ("p99", 0.27))):
+        ax.bar(x + w, [s.ttft[k] * 1000 for s in sums], width=0.27, label=k)
+    ax.set_xticks(x, [s.run for s in sums], rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("TTFT (ms)")
+    ax.set_yscale("log")
+    ax.set_title("TTFT percentiles per run")
+    ax.legend()
+    paths.append(out_dir / "ttft_percentiles.png")
+    fig.tight_layout()
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(sums) + 2), 4.5))
+    bottom = np.zeros(len(sums))
+    for t in TIERS:
+        v = np.array([s.hit_rate.get(t, 0.0) for s in sums])
+        if v.any():
+            ax.bar(x, v * 100, bottom=bottom * 100, label=t)
+            bottom += v
+    ax.bar(x, (1 - np.clip(bottom, 0, 1)) * 100, bottom=bottom * 100, label="recomputed", color="#cccccc")
+    ax.set_xticks(x, [s.run for s in sums], rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("% of prompt tokens")
+    ax.set_title("Where prompt tokens came from")
+    ax.legend(fontsize=8)
+    paths.append(out_dir / "tiers.png")
+    fig.tight_layout()
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    pred_runs = [r for r in runs if any(x.predicted_ttft_s is not None and x.ok for x in r.results)]
+    if pred_runs:
+        fig, ax = plt.subplots(figsize=(6, 6))
+        lo, hi = math.inf, 0.0
+        for r in pred_runs:
+            pts = [(x.ttft_s, x.predicted_ttft_s) for x in r.results if x.ok and x.predicted_ttft_s is not None]
+            a = np.array(pts) * 1000
+            a = a[(a > 0).all(axis=1)]
+            if a.size:
+                ax.scatter(a[:, 0], a[:, 1], s=4, alpha=0.5, label=r.meta.run)
+                lo, hi = min(lo, a.min()), max(hi, a.max())
+        if hi > 0:
+            ax.plot([lo, hi], [lo, hi], "k--", lw=1)
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+        ax.set_xlabel("actual TTFT (ms)")
+        ax.set_ylabel("predicted TTFT (ms)")
+        ax.set_title("Planner prediction vs actual")
+        ax.legend(fontsize=8)
+        paths.append(out_dir / "predicted_vs_actual.png")
+        fig.tight_layout()
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths
+
+
+def write_report(runs: Sequence[Run], out_dir: str | Path, *, title: str = "kvroute load test",
+                 notes: Sequence[str] = (), plots: bool = True) -> Path:
+    """report.md (+ PNGs) in `out_dir`; returns the Markdown path."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    pngs = plot_all(runs, out) if plots and runs else []
+    md = out / "report.md"
+    md.write_text(markdown(runs, title, notes, [str(p) for p in pngs]))
+    return md

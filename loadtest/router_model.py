@@ -1,0 +1,366 @@
+"""The router as the offline simulator models it: what the gateway knows, when it knows it.
+
+The point is to run the planner's policies on the same inputs the gateway gives
+them (router/pool.py, router/gateway.py), not on the simulator's truth:
+
+* **Index**: a `kvindex.PrefixIndex` at the fleet's block size, fed only by the
+  engines' KV events (our workers publish digest64 block hashes, token ids, parent
+  digest, extra keys, one `medium` per tier), optionally `event_lag_s` late. Each
+  worker joins with its namespace digest and its REMOTE group, as the gateway
+  registers it from `/info`.
+* **Load reports**: each worker's `/load` JSON (`SimEngine.load_report`) polled every
+  `poll_interval_s` (default 0.1 s, the gateway's `pool.load_poll_interval_s`),
+  workers' polls staggered across the interval. A report sets `waiting_requests`,
+  `waiting_prefill_tokens`, `running_requests`, `running_prefill_tokens`,
+  `est_queue_s`, GPU free/capacity blocks, `max_waiting`, and folds the reported
+  speeds and tier links into the view's `CostParams` (block size and bytes of the
+  index block), exactly the fields router/pool.py `_apply_load` sets.
+* **In-flight accounting** (router/pool.py `dispatched`/`first_token`/`finished`): at
+  dispatch `inflight_requests += 1`, `inflight_prefill_tokens +=` the chosen
+  estimate's `recompute_tokens` (prompt tokens when the policy gave no eligible
+  estimate), `active_kv_tokens +=` prompt + max_tokens, and the same into
+  `inflight_since_report_*`; prefill tokens leave at the first token, the rest at
+  the end. A poll re-counts what was dispatched after it (none, in the simulator: a
+  poll is instantaneous). `report_age_s` = now − the report's time.
+* **RouteRequest**: prompt tokens, the request's digest64s at the fleet block size,
+  `index.match(digests)` over the routable workers, max_tokens, now, request id.
+* **Prefetch** (router/gateway.py `_send_prefetch`): when the decision asks for
+  `prefetch_blocks` ≥ `prefetch_min_blocks` and the worker supports it, the blocks
+  after the worker's leading GPU run up to the cut are sent, deadline
+  `max(prefetch_min_deadline_s, t_queue + prefetch_margin_s)`, from the named peer
+  when `prefetch_from_peer` is set — before the request is submitted.
+* **Feedback**: `policy.observe(worker, predicted, first-token − dispatch, usage.kv)`.
+
+`oracle=True` replaces all of that with the truth for the `oracle` policy: every
+view is rebuilt at decision time from `load_report(now)` (exact `est_queue_s`, age
+0, no in-flight guesses: everything dispatched is inside the engines), and matches
+come from the engines' own `match_tiers` (the index is never stale).
+"""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvindex.events import KVEvent
+from kvindex.index import PrefixIndex, PrefixMatch
+from kvindex.tiers import Tier
+from router.planner.types import CostParams, Decision, Estimate, Link, Policy, RouteRequest, WorkerView
+from workers.sim import SimEngine
+from workers.sim.engine import BadRequest, PrefetchQueueFull
+
+
+_TIER_NAMES = {t.name: t for t in Tier}
+
+
+@dataclass(slots=True)
+class RouterSettings:
+    poll_interval_s: float = 0.1
+    event_lag_s: float = 0.0
+    prefetch: bool = True
+    prefetch_min_blocks: int = 1
+    prefetch_margin_s: float = 0.05
+    prefetch_min_deadline_s: float = 0.2
+    retries: int = 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__slots__}  # type: ignore[attr-defined]
+
+
+@dataclass(slots=True, eq=False)
+class Inflight:
+    worker_id: str
+    prefill_tokens: int
+    kv_tokens: int
+    t_dispatch: float
+    since_report: bool = True
+    prefilled: bool = False
+    done: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class _Worker:
+    engine: SimEngine
+    view: WorkerView
+    load_t: float | None = None
+    inflight: set[Inflight] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class RouterCounters:
+    events_batches: int = 0
+    events_applied: int = 0
+    polls: int = 0
+    prefetches_sent: int = 0
+    prefetch_blocks_sent: int = 0
+    prefetches_refused: int = 0
+    max_waiting_seen: int = 0  # the longest waiting queue any load report showed
+
+
+class SimRouter:
+    def __init__(
+        self,
+        policy: Policy,
+        block_size: int,
+        settings: RouterSettings,
+        *,
+        oracle: bool = False,
+        max_workers: int = 512,
+    ) -> None:
+        self.policy = policy
+        self.settings = settings
+        self.oracle = oracle
+        self.block_size = block_size
+        self.index = PrefixIndex(block_size, max_workers=max_workers)
+        self.workers: dict[str, _Worker] = {}
+        self._lagged: deque[tuple[float, str, list[KVEvent]]] = deque()
+        self.counters = RouterCounters()
+
+    # ------------------------------------------------------------------ workers
+
+    def events_sink(self, worker_id: str) -> Callable[[list[KVEvent]], None] | None:
+        """The engine's `on_events` callback (None for the oracle: it reads the truth)."""
+        if self.oracle:
+            return None
+        lag = self.settings.event_lag_s
+
+        def sink(events: list[KVEvent]) -> None:
+            if not events:
+                return
+            if lag > 0:
+                w = self.workers.get(worker_id)
+                t = w.engine.now if w is not None else 0.0
+                self._lagged.append((t + lag, worker_id, events))
+            else:
+                self._apply(worker_id, events)
+
+        return sink
+
+    def join(self, engine: SimEngine, now: float) -> None:
+        """Register a worker as the gateway does from /info, then take a first report."""
+        info = engine.info()
+        wid = engine.worker_id
+        cost = CostParams(
+            block_size=self.block_size,
+            block_bytes=engine.block_bytes * self.block_size // engine.bs,
+            prefill_tokens_per_s=engine.profile.compute.prefill_tokens_per_s,
+        )
+        caps = set(info.get("capabilities") or ())
+        view = WorkerView(
+            wid,
+            cost,
+            supports_prefetch="prefetch" in caps,
+            supports_peer_pull="peer_pull" in caps,
+        )
+        self.workers[wid] = _Worker(engine, view)
+        if not self.oracle:
+            self.index.add_worker(
+                wid, bytes.fromhex(info["namespace_digest"]), info["block_size"], remote_group=info.get("remote_group")
+            )
+        self.poll(wid, now)
+
+    def leave(self, worker_id: str) -> None:
+        self.workers.pop(worker_id, None)
+        if not self.oracle and self.index.has_worker(worker_id):
+            self.index.remove_worker(worker_id)
+
+    def set_draining(self, worker_id: str, draining: bool = True) -> None:
+        if not self.oracle and self.index.has_worker(worker_id):
+            self.index.set_draining(worker_id, draining)
+
+    # ------------------------------------------------------------------ reports, events
+
+    def poll(self, worker_id: str, now: float) -> None:
+        w = self.workers.get(worker_id)
+        if w is None:
+            return
+        w.engine.advance(now)
+        self._apply_report(w.view, w.engine.load_report(now))
+        if w.view.waiting_requests > self.counters.max_waiting_seen:
+            self.counters.max_waiting_seen = w.view.waiting_requests
+        w.load_t = now
+        for r in w.inflight:  # a poll is instantaneous: everything in flight was dispatched before it
+            r.since_report = False
+        w.view.inflight_since_report_requests = 0
+        w.view.inflight_since_report_prefill_tokens = 0
+        self.counters.polls += 1
+
+    @staticmethod
+    def _apply_report(v: WorkerView, rep: dict[str, Any]) -> None:
+        v.waiting_requests = rep["waiting_requests"]
+        v.waiting_prefill_tokens = rep["waiting_prefill_tokens"]
+        v.running_requests = rep["running_requests"]
+        v.running_prefill_tokens = rep.get("running_prefill_tokens", 0)
+        v.est_queue_s = rep["est_queue_s"]
+        gpu = rep["blocks"].get("GPU")
+        if gpu is not None:
+            v.gpu_free_blocks = gpu["free"]
+            v.gpu_capacity_blocks = gpu.get("capacity") or gpu["used"] + gpu["free"]
+        if rep.get("max_waiting") is not None:
+            v.max_waiting = rep["max_waiting"]
+        c = v.cost
+        s = rep.get("speeds") or {}
+        if s.get("prefill_tokens_per_s"):
+            c.prefill_tokens_per_s = s["prefill_tokens_per_s"]
+        if s.get("prefill_attn_s_per_token2") is not None:
+            c.prefill_attn_s_per_token2 = s["prefill_attn_s_per_token2"]
+        if s.get("prefill_overhead_s") is not None:
+            c.prefill_overhead_s = s["prefill_overhead_s"]
+        if s.get("decode_step_s") is not None:
+            c.decode_step_s = s["decode_step_s"]
+        for name, link in (rep.get("tiers") or {}).items():
+            t = _TIER_NAMES.get(name.upper())
+            if t is None or link["read_Bps"] <= 0:
+                continue
+            cur = c.links.get(t)
+            if cur is None:
+                c.links[t] = Link(link["read_Bps"], link["latency_s"])
+            else:
+                cur.read_Bps = link["read_Bps"]
+                cur.latency_s = link["latency_s"]
+
+    def _apply(self, worker_id: str, events: list[KVEvent]) -> None:
+        if self.index.has_worker(worker_id):
+            st = self.index.apply(worker_id, events)
+            self.counters.events_batches += 1
+            self.counters.events_applied += st.stored + st.removed + st.cleared
+
+    def deliver(self, now: float) -> None:
+        """Apply lagged events that have arrived by `now`."""
+        q = self._lagged
+        while q and q[0][0] <= now:
+            _, wid, events = q.popleft()
+            self._apply(wid, events)
+
+    # ------------------------------------------------------------------ routing
+
+    def _oracle_views(self, keys: list[bytes], now: float) -> tuple[list[WorkerView], dict[str, PrefixMatch]]:
+        views: list[WorkerView] = []
+        matches: dict[str, PrefixMatch] = {}
+        for wid, w in self.workers.items():
+            eng = w.engine
+            eng.advance(now)
+            self._apply_report(w.view, eng.load_report(now))
+            v = w.view
+            v.report_age_s = 0.0
+            v.inflight_requests = 0
+            v.inflight_prefill_tokens = 0
+            v.inflight_since_report_requests = 0
+            v.inflight_since_report_prefill_tokens = 0
+            views.append(v)
+            tiers = eng.match_tiers(keys) if keys else []
+            runs: list[tuple[Tier, int]] = []
+            n = 0
+            for t in tiers:
+                if t is None:
+                    break
+                n += 1
+                if runs and runs[-1][0] is t:
+                    runs[-1] = (t, runs[-1][1] + 1)
+                else:
+                    runs.append((t, 1))
+            if n:
+                matches[wid] = PrefixMatch(wid, n, tuple(runs))
+        return views, matches
+
+    def route(
+        self, prompt_tokens: int, max_tokens: int, keys: list[bytes], digests: Sequence[int], now: float, rid: str,
+        candidates: Sequence[str] | None = None,
+    ) -> tuple[Decision, RouteRequest]:
+        if self.oracle:
+            views, matches = self._oracle_views(keys, now)
+        else:
+            self.deliver(now)
+            views = []
+            for wid, w in self.workers.items():
+                w.view.report_age_s = now - w.load_t if w.load_t is not None else 0.0
+                views.append(w.view)
+            matches = self.index.match(digests)
+        if candidates is not None:
+            allowed = set(candidates)
+            views = [v for v in views if v.worker_id in allowed]
+        rr = RouteRequest(prompt_tokens, digests, matches, max_tokens, now, rid)
+        return self.policy.choose(rr, views), rr
+
+    def estimate_for(self, d: Decision, worker_id: str) -> Estimate | None:
+        for e in d.estimates:
+            if e.worker_id == worker_id:
+                return e
+        return None
+
+    def send_prefetch(
+        self, d: Decision, rr: RouteRequest, keys: list[bytes], worker_id: str, est: Estimate | None, now: float,
+        pid: str,
+    ) -> int:
+        """The gateway's prefetch step; returns blocks asked for (0 = none sent)."""
+        s = self.settings
+        w = self.workers[worker_id]
+        k = min(d.prefetch_blocks, len(keys))
+        if not s.prefetch or k < s.prefetch_min_blocks or not w.view.supports_prefetch:
+            return 0
+        m = rr.matches.get(worker_id)
+        start = 0
+        if m is not None and m.runs and m.runs[0][0] is Tier.GPU:
+            start = min(m.runs[0][1], k)
+        if k - start < s.prefetch_min_blocks:
+            return 0
+        queue_s = est.t_queue if est is not None else 0.0
+        deadline = now + max(s.prefetch_min_deadline_s, queue_s + s.prefetch_margin_s)
+        source = None
+        if d.prefetch_from_peer:
+            peer = self.workers.get(d.prefetch_from_peer)
+            source = peer.engine if peer is not None else None
+        try:
+            w.engine.prefetch(keys[start:k], now, deadline, pid, source)
+        except (PrefetchQueueFull, BadRequest):  # a 429/400 to the gateway: counted, the request goes on
+            self.counters.prefetches_refused += 1
+            return 0
+        self.counters.prefetches_sent += 1
+        self.counters.prefetch_blocks_sent += k - start
+        return k - start
+
+    # ------------------------------------------------------------------ accounting
+
+    def dispatched(self, worker_id: str, prefill_tokens: int, kv_tokens: int, now: float) -> Inflight:
+        r = Inflight(worker_id, prefill_tokens, kv_tokens, now)
+        w = self.workers[worker_id]
+        w.inflight.add(r)
+        v = w.view
+        v.inflight_requests += 1
+        v.inflight_prefill_tokens += prefill_tokens
+        v.inflight_since_report_requests = (v.inflight_since_report_requests or 0) + 1
+        v.inflight_since_report_prefill_tokens = (v.inflight_since_report_prefill_tokens or 0) + prefill_tokens
+        v.active_kv_tokens = (v.active_kv_tokens or 0) + kv_tokens
+        return r
+
+    def first_token(self, r: Inflight) -> None:
+        if r.prefilled or r.done:
+            return
+        r.prefilled = True
+        w = self.workers.get(r.worker_id)
+        if w is None:
+            return
+        v = w.view
+        v.inflight_prefill_tokens -= r.prefill_tokens
+        if r.since_report and v.inflight_since_report_prefill_tokens:
+            v.inflight_since_report_prefill_tokens -= r.prefill_tokens
+
+    def finished(self, r: Inflight) -> None:
+        if r.done:
+            return
+        self.first_token(r)
+        r.done = True
+        w = self.workers.get(r.worker_id)
+        if w is None:
+            return
+        w.inflight.discard(r)
+        v = w.view
+        v.inflight_requests -= 1
+        if r.since_report and v.inflight_since_report_requests:
+            v.inflight_since_report_requests -= 1
+        if v.active_kv_tokens:
+            v.active_kv_tokens -= r.kv_tokens
+
+    def observe(self, worker_id: str, predicted: float | None, measured: float, kv: dict[str, Any] | None) -> None:
+        self.policy.observe(worker_id, predicted, measured, kv)

@@ -1,0 +1,436 @@
+"""The offline simulator: a trace through simulated engines and the planner's policies,
+on a virtual clock (discrete events), in seconds of wall time.
+
+Events, in time order (ties: engine work, then load polls, then actions, then
+arrivals): an engine's next step end or transfer completion (`SimEngine.
+next_event_time`, lazily rescheduled after every call into the engine), a worker's
+load poll (every `poll_interval_s`, staggered), a scenario action (add/remove a
+worker, switch a model version, ...), a request arrival. An arrival is routed by
+`SimRouter` (loadtest/router_model.py: the gateway's view of the fleet, or the truth
+for `oracle`), prefetched, and submitted; a refusal (429 from a full queue) is
+retried once on the next-ranked worker, as the gateway does. Every request ends with
+a result: finished, shed (no worker), refused, failed, or — past `max_drain_s` after
+the last arrival — "unfinished" (never dropped silently).
+
+Latencies are measured from arrival (no network in the simulator): TTFT = first
+token − arrival, TPOT = (last − first) / (n − 1), E2E = last − arrival.
+`prefetch_hidden_s` of a request = the load time of the KV a prefetch had already
+raised when it was scheduled (`usage.kv.prefetched_tokens`), priced at the link
+bandwidth of the tiers the planner's estimate planned to prefetch from.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from array import array
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvindex.keys import digests64
+from kvindex.tiers import Tier
+from router.planner.registry import make_policy
+from router.planner.types import Estimate
+from workers.sim import SimEngine, SimRequest
+from workers.sim.engine import BadRequest, QueueFull, Usage
+
+from .blockkeys import TraceKeyer
+from .fleet import Fleet, FleetSpec, parse_tiers, tiers_label
+from .results import RequestResult, Run, RunMeta
+from .router_model import Inflight, RouterSettings, SimRouter
+from .tokens import TokenSynth
+from .trace import Trace, TraceError, TraceRequest
+
+_ENGINE, _POLL, _ACTION, _ARRIVAL = 0, 1, 2, 3
+
+Action = Callable[["Simulation", float], None]
+
+
+@dataclass(slots=True)
+class SimSettings:
+    fleet: FleetSpec = field(default_factory=FleetSpec)
+    router: RouterSettings = field(default_factory=RouterSettings)
+    speed: float = 1.0
+    vocab_size: int = 8192
+    seed: int = 0
+    max_drain_s: float = 3600.0  # after the last arrival, how long unfinished requests may run
+
+
+class KeyCache:
+    """Per-request keys and digests of one trace at one namespace, shared by runs
+    (cached by request index and scope, so a scenario's per-run LoRA/salt changes stay apart)."""
+
+    def __init__(self, keyer: TraceKeyer) -> None:
+        self.keyer = keyer
+        self._cache: dict[tuple[int, str | None, str | None], tuple[list[bytes], list[int]]] = {}
+
+    def get(self, req: TraceRequest) -> tuple[list[bytes], list[int]]:
+        ck = (req.index, req.lora, req.cache_salt)
+        kd = self._cache.get(ck)
+        if kd is None:
+            keys = self.keyer.keys(req)
+            kd = self._cache[ck] = (keys, digests64(keys))
+        return kd
+
+
+@dataclass(slots=True, eq=False)
+class _Pending:
+    rid: str
+    req: TraceRequest
+    res: RequestResult
+    arrival: float
+    worker: str | None = None
+    rec: Inflight | None = None
+    predicted: float | None = None
+    est: Estimate | None = None
+    first: float | None = None
+
+
+class Simulation:
+    """One policy over one trace on one fleet; `run()` returns the results."""
+
+    def __init__(
+        self,
+        trace: Trace,
+        policy: str,
+        settings: SimSettings,
+        *,
+        policy_params: dict[str, Any] | None = None,
+        label: str | None = None,
+        synth: TokenSynth | None = None,
+        keys: KeyCache | None = None,
+        actions: Iterable[tuple[float, Action]] = (),
+        request_hook: Callable[[TraceRequest, float], TraceRequest] | None = None,
+    ) -> None:
+        if not settings.speed > 0:
+            raise TraceError("speed must be > 0")
+        self.trace = trace
+        self.policy_name = policy
+        self.settings = settings
+        self.params = dict(policy_params or {})
+        self.policy = make_policy(policy, **self.params)
+        self.label = label or policy
+        self.oracle = policy == "oracle"
+        profile = settings.fleet.resolved_profile()
+        self.router = SimRouter(self.policy, profile.block_size, settings.router, oracle=self.oracle)
+        self.fleet = Fleet(settings.fleet, on_events=self.router.events_sink)
+        self.synth = synth or TokenSynth.for_trace(trace, vocab_size=settings.vocab_size, seed=settings.seed)
+        if keys is None:
+            keys = KeyCache(TraceKeyer(self.synth, self.fleet.profile.namespace()))
+        if keys.keyer.block_size != self.fleet.block_size:
+            raise TraceError("the key cache's block size differs from the fleet's")
+        self.keys = keys
+        self.request_hook = request_hook
+        self.now = 0.0
+        self._heap: list[tuple[float, int, int, Any]] = []
+        self._seq = itertools.count()
+        self._sched: dict[str, float | None] = {}
+        self._pending: dict[str, _Pending] = {}
+        self._results: list[RequestResult] = []
+        self._arrivals_left = 0
+        self._polling: set[str] = set()
+        self.counters: dict[str, int] = {"retries": 0, "shed": 0, "refused": 0, "failed": 0, "unfinished": 0}
+        self._actions = list(actions)
+        self.removed: list[SimEngine] = []  # engines that left (their stats still count)
+        self._draining: set[str] = set()
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _push(self, t: float, kind: int, payload: Any) -> None:
+        heapq.heappush(self._heap, (t, kind, next(self._seq), payload))
+
+    def _reschedule(self, wid: str) -> None:
+        eng = self.fleet.engines.get(wid)
+        if eng is None:
+            return
+        t = eng.next_event_time()
+        if t is not None and t != self._sched.get(wid):
+            self._sched[wid] = t
+            self._push(t, _ENGINE, wid)
+
+    def _start_polls(self, wid: str, now: float) -> None:
+        iv = self.settings.router.poll_interval_s
+        if self.oracle or iv <= 0:
+            return
+        n = max(1, len(self.fleet.engines))
+        phase = (len(self._polling) % n) / n * iv
+        self._polling.add(wid)
+        self._push(now + phase + iv, _POLL, wid)
+
+    # ------------------------------------------------------------------ fleet changes (scenarios)
+
+    def add_worker(self, now: float, worker_id: str | None = None) -> str:
+        eng = self.fleet.add(worker_id)
+        self.router.join(eng, now)
+        self._start_polls(eng.worker_id, now)
+        return eng.worker_id
+
+    def remove_worker(self, now: float, worker_id: str, *, fail: bool = True) -> int:
+        """Take a worker out. `fail`: it dies, its requests error out (the client sees an
+        explicit error); otherwise it drains: no new requests, the running ones finish."""
+        if not fail:
+            self.router.set_draining(worker_id)
+            self._draining.add(worker_id)
+            return 0
+        eng = self.fleet.remove(worker_id)
+        self.removed.append(eng)
+        self.router.leave(worker_id)
+        self._polling.discard(worker_id)
+        self._sched.pop(worker_id, None)
+        lost = 0
+        for rid, p in list(self._pending.items()):
+            if p.worker == worker_id:
+                self._fail(p, now, 0, f"worker {worker_id} failed")
+                lost += 1
+        return lost
+
+    # ------------------------------------------------------------------ requests
+
+    def _fail(self, p: _Pending, now: float, status: int, msg: str, kind: str | None = None) -> None:
+        """End a request with an explicit error; `kind` names its counter (default: by status)."""
+        p.res.status = status
+        p.res.error = msg
+        if p.rec is not None:
+            self.router.finished(p.rec)
+        self._done(p)
+        self.counters[kind or ("failed" if status in (0, 500) else "refused")] += 1
+
+    def _done(self, p: _Pending) -> None:
+        self._pending.pop(p.rid, None)
+        self._results.append(p.res)
+
+    def _arrive(self, req: TraceRequest, now: float) -> None:
+        if self.request_hook is not None:
+            req = self.request_hook(req, now)
+        rid = f"r{req.index}"
+        res = RequestResult(run=self.label, index=req.index, arrival_s=now, start_s=now,
+                            prompt_tokens=req.input_length)
+        p = _Pending(rid, req, res, now)
+        self._pending[rid] = p
+        keys, digests = self.keys.get(req)
+        candidates = [w for w in self.router.workers if w not in self._draining]
+        if not candidates:
+            return self._fail(p, now, 503, "no worker", "shed")
+        d, rr = self.router.route(req.input_length, req.output_length, keys, digests, now, rid,
+                                  candidates if self._draining else None)
+        if d.worker_id is None:
+            return self._fail(p, now, 429, f"shed: {d.reason}", "shed")
+        order = [d.worker_id] + [w for w in d.ranked if w != d.worker_id][: self.settings.router.retries]
+        tokens = array("I", self.synth.token_bytes(req)) if not self.oracle else None
+        last_err = ""
+        for attempt, wid in enumerate(order):
+            w = self.router.workers.get(wid)
+            if w is None:
+                continue
+            est = self.router.estimate_for(d, wid)
+            pf_blocks = 0
+            if attempt == 0:
+                pf_blocks = self.router.send_prefetch(d, rr, keys, wid, est, now, "p-" + rid)
+            prefill = est.recompute_tokens if est is not None and est.eligible else req.input_length
+            rec = self.router.dispatched(wid, prefill, req.input_length + req.output_length, now)
+            p.worker, p.rec, p.est = wid, rec, est
+            p.predicted = d.predicted_ttft if wid == d.worker_id else (est.t_ttft if est else None)
+            sreq = SimRequest(
+                rid, req.input_length, req.output_length, keys=keys, token_ids=tokens,  # type: ignore[arg-type]
+                cache_salt=req.cache_salt, lora=req.lora,
+                on_first_token=lambda t, u, p=p: self._first(p, t, u),
+                on_finish=lambda t, u, p=p: self._finish(p, t, u),
+                on_error=lambda t, msg, p=p: self._fail(p, t, 500, msg),
+            )
+            try:
+                w.engine.submit(sreq, now)
+            except QueueFull as e:
+                self.router.finished(rec)
+                p.rec = None
+                if pf_blocks:
+                    w.engine.cancel_prefetch("p-" + rid)
+                self._reschedule(wid)
+                last_err = f"429 from {wid}: {e.message}"
+                self.counters["retries"] += attempt < len(order) - 1
+                continue
+            except BadRequest as e:
+                self.router.finished(rec)
+                p.rec = None
+                if pf_blocks:
+                    w.engine.cancel_prefetch("p-" + rid)
+                self._reschedule(wid)
+                return self._fail(p, now, e.status, e.message)
+            res.worker = wid
+            res.predicted_ttft_s = p.predicted
+            res.prefetch_blocks = pf_blocks
+            self._reschedule(wid)
+            return
+        self._fail(p, now, 429, last_err or "no worker took the request")
+
+    def _first(self, p: _Pending, t: float, u: Usage) -> None:
+        p.first = t
+        p.res.ttft_s = t - p.arrival
+        if p.rec is not None:
+            self.router.first_token(p.rec)
+            kv = u.to_dict()["kv"]
+            self.router.observe(p.rec.worker_id, p.predicted, t - p.rec.t_dispatch, kv)
+
+    def _finish(self, p: _Pending, t: float, u: Usage) -> None:
+        r = p.res
+        r.e2e_s = t - p.arrival
+        r.output_tokens = u.completion_tokens
+        if p.first is not None and u.completion_tokens > 1:
+            r.tpot_s = (t - p.first) / (u.completion_tokens - 1)
+        r.prompt_tokens = u.prompt_tokens
+        r.cached_tokens = u.cached_tokens
+        r.loaded_tokens = {k: v for k, v in u.loaded_tokens.items() if v}
+        r.recomputed_tokens = u.recomputed_tokens
+        r.prefetched_tokens = u.prefetched_tokens
+        r.queue_ms, r.load_ms, r.prefill_ms = u.queue_ms, u.load_ms, u.prefill_ms
+        r.prefetch_hidden_s = self._hidden(p, u)
+        if p.rec is not None:
+            self.router.finished(p.rec)
+        self._done(p)
+
+    def _hidden(self, p: _Pending, u: Usage) -> float | None:
+        if not u.prefetched_tokens or p.est is None or p.worker is None:
+            return None
+        plan = {t: n for t, n in p.est.prefetch_blocks.items() if n > 0 and t is not Tier.GPU}
+        total = sum(plan.values())
+        w = self.router.workers.get(p.worker)
+        if not total or w is None:
+            return None
+        cost = w.view.cost
+        blocks = u.prefetched_tokens / cost.block_size
+        s = 0.0
+        for t, n in plan.items():
+            link = cost.links.get(t)
+            if link is not None and link.read_Bps > 0:
+                s += blocks * (n / total) * cost.block_bytes / link.read_Bps
+        return s
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self) -> Run:
+        wall0 = time.perf_counter()
+        speed = self.settings.speed
+        for eng in list(self.fleet.engines.values()):
+            self.router.join(eng, 0.0)
+        for wid in list(self.fleet.engines):
+            self._start_polls(wid, 0.0)
+        reqs = self.trace.requests
+        for r in reqs:
+            self._push(r.arrival_s / speed, _ARRIVAL, r)
+        self._arrivals_left = len(reqs)
+        for t, fn in self._actions:
+            self._push(t, _ACTION, fn)
+        last_arrival = reqs[-1].arrival_s / speed if reqs else 0.0
+        stop_at = last_arrival + self.settings.max_drain_s
+        heap = self._heap
+        engines = self.fleet.engines
+        sched = self._sched
+        steps = 0
+        while heap:
+            t, kind, _, x = heapq.heappop(heap)
+            if t > stop_at:
+                break
+            self.now = t
+            steps += 1
+            if kind == _ENGINE:
+                if sched.get(x) != t:
+                    continue
+                sched[x] = None
+                eng = engines.get(x)
+                if eng is None:
+                    continue
+                eng.advance(t)
+                self._reschedule(x)
+            elif kind == _POLL:
+                if x not in self._polling or x not in engines:
+                    continue
+                self.router.poll(x, t)
+                self._reschedule(x)
+                if self._pending or self._arrivals_left:
+                    self._push(t + self.settings.router.poll_interval_s, _POLL, x)
+                else:
+                    self._polling.discard(x)
+            elif kind == _ACTION:
+                x(self, t)
+                for wid in list(engines):
+                    self._reschedule(wid)
+            else:
+                self._arrivals_left -= 1
+                self._arrive(x, t)
+            self._maybe_drain_out(t)
+        for p in list(self._pending.values()):
+            self.counters["unfinished"] += 1
+            p.res.status, p.res.error = 0, f"unfinished when the simulation stopped at t={self.now:.1f}s"
+            if p.rec is not None:
+                self.router.finished(p.rec)
+            self._results.append(p.res)
+        self._pending.clear()
+        self._results.sort(key=lambda r: r.index)
+        wall = time.perf_counter() - wall0
+        ends = [r.arrival_s + r.e2e_s for r in self._results if r.e2e_s is not None]
+        duration = (max(ends) if ends else 0.0) - (reqs[0].arrival_s / speed if reqs else 0.0)
+        meta = RunMeta(
+            run=self.label,
+            mode="sim",
+            policy=self.policy_name,
+            trace=self.trace.name,
+            speed=speed,
+            workers=self.settings.fleet.workers,
+            profile=self.fleet.profile.name,
+            tiers=tiers_label(parse_tiers(self.settings.fleet.tiers)),
+            duration_s=duration,
+            wall_s=wall,
+            params={"policy": self.params, "router": self.settings.router.to_dict(),
+                    "block_size": self.fleet.block_size, "remote_groups": self.settings.fleet.remote_groups,
+                    "seed": self.settings.seed},
+            stats=self._stats(steps, wall),
+        )
+        return Run(meta, self._results)
+
+    def _maybe_drain_out(self, now: float) -> None:
+        """Finish draining workers whose last request is done."""
+        if not self._draining:
+            return
+        for wid in list(self._draining):
+            if not any(p.worker == wid for p in self._pending.values()):
+                self._draining.discard(wid)
+                if wid in self.fleet.engines:
+                    self.removed.append(self.fleet.remove(wid))
+                self.router.leave(wid)
+                self._polling.discard(wid)
+
+    def _stats(self, steps: int, wall: float) -> dict[str, Any]:
+        engines = list(self.fleet.engines.values()) + self.removed
+        loaded = {"CPU": 0, "DISK": 0, "REMOTE": 0, "PEER": 0}
+        pf = {"prefetch_blocks_accepted": 0, "prefetch_blocks_landed": 0, "prefetch_transfers_dropped": 0}
+        disk_written = 0
+        rejected = 0
+        for e in engines:
+            for k, v in e.stats.loaded_blocks.items():
+                loaded[k] = loaded.get(k, 0) + v
+            for k in pf:
+                pf[k] += getattr(e.stats, k)
+            disk_written += e.kv.disk_bytes_written
+            rejected += e.stats.rejected_queue_full
+        remote_written = sum(r.bytes_written for r in self.fleet.remotes)
+        rc = self.router.counters
+        out: dict[str, Any] = {
+            "sim_events": steps,
+            "sim_rate_req_per_wall_s": round(len(self._results) / wall, 1) if wall > 0 else None,
+            "events_applied": rc.events_applied,
+            "polls": rc.polls,
+            "prefetches_sent": rc.prefetches_sent,
+            "prefetch_blocks_sent": rc.prefetch_blocks_sent,
+            "prefetches_refused": rc.prefetches_refused,
+            "max_waiting_seen": rc.max_waiting_seen,
+            **pf,
+            **{f"loaded_blocks_{k}": v for k, v in loaded.items()},
+            "disk_bytes_written": disk_written,
+            "remote_bytes_written": remote_written,
+            "worker_429s": rejected,
+            **self.counters,
+        }
+        if not self.oracle:
+            out["index_blocks"] = len(self.router.index)
+        return out
+

@@ -1,0 +1,122 @@
+"""What a run amounts to: tail latencies, throughput, per-tier hits, recompute
+avoided, prefetch hidden time and the planner's prediction error (DESIGN.md §9).
+
+Percentiles are over successful requests (linear interpolation); failed requests
+are counted, never folded into latencies.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .results import RequestResult, Run
+
+TIERS = ("GPU", "CPU", "DISK", "REMOTE", "PEER")
+
+
+def pct(values: Sequence[float] | np.ndarray, q: float) -> float:
+    a = np.asarray(values, dtype=np.float64)
+    if a.size == 0:
+        return float("nan")
+    return float(np.percentile(a, q))
+
+
+@dataclass(slots=True)
+class RunSummary:
+    run: str
+    mode: str
+    policy: str | None
+    tiers: str
+    requests: int
+    ok: int
+    errors: dict[str, int]
+    ttft: dict[str, float]  # p50 / p95 / p99 / mean, seconds
+    tpot: dict[str, float]
+    e2e: dict[str, float]
+    client_queue_p99: float
+    duration_s: float
+    throughput_rps: float
+    output_tps: float
+    prompt_tokens: int
+    cached_tokens: int
+    hit_rate: dict[str, float]  # share of prompt tokens served from each tier
+    recompute_avoided: float  # share of prompt tokens not recomputed
+    prefetch_requests: int
+    prefetch_hidden_s: float  # total load time moved off critical paths
+    pred_abs_rel_err_p50: float
+    pred_abs_rel_err_p90: float
+    pred_bias: float  # median (predicted - actual) / actual: > 0 means over-estimates
+    stats: dict[str, object] = field(default_factory=dict)
+
+
+def _lat(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"p50": float("nan"), "p95": float("nan"), "p99": float("nan"), "mean": float("nan")}
+    a = np.asarray(values, dtype=np.float64)
+    p50, p95, p99 = np.percentile(a, [50, 95, 99])
+    return {"p50": float(p50), "p95": float(p95), "p99": float(p99), "mean": float(a.mean())}
+
+
+def summarize(run: Run) -> RunSummary:
+    rs: list[RequestResult] = run.results
+    ok = [r for r in rs if r.ok]
+    errors = Counter(str(r.status) if r.status != 200 else "error" for r in rs if not r.ok)
+    ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
+    tpot = [r.tpot_s for r in ok if r.tpot_s is not None]
+    e2e = [r.e2e_s for r in ok if r.e2e_s is not None]
+    ends = [(r.start_s if r.start_s is not None else r.arrival_s) + (r.e2e_s or 0.0) for r in ok]
+    first = min((r.arrival_s for r in rs), default=0.0)
+    duration = run.meta.duration_s or (max(ends) - first if ends else 0.0)
+    prompt = sum(r.prompt_tokens for r in ok)
+    cached = sum(r.cached_tokens for r in ok)
+    per_tier = {t: 0 for t in TIERS}
+    recomputed = 0
+    have_kv = False
+    for r in ok:
+        for t, n in r.loaded_tokens.items():
+            per_tier[t] = per_tier.get(t, 0) + n
+        if r.recomputed_tokens is not None:
+            have_kv = True
+            recomputed += r.recomputed_tokens
+    hit = {t: (n / prompt if prompt else 0.0) for t, n in per_tier.items()}
+    if have_kv:
+        avoided = 1.0 - recomputed / prompt if prompt else 0.0
+    else:  # a peer engine without our `kv` extension: cached_tokens is all we know
+        avoided = cached / prompt if prompt else 0.0
+    pf = [r for r in ok if r.prefetch_blocks > 0]
+    hidden = sum(r.prefetch_hidden_s or 0.0 for r in ok)
+    rel = [
+        (r.predicted_ttft_s - r.ttft_s) / r.ttft_s
+        for r in ok
+        if r.predicted_ttft_s is not None and r.ttft_s is not None and r.ttft_s > 0
+    ]
+    absrel = np.abs(np.asarray(rel)) if rel else np.asarray([])
+    return RunSummary(
+        run=run.meta.run,
+        mode=run.meta.mode,
+        policy=run.meta.policy,
+        tiers=run.meta.tiers,
+        requests=len(rs),
+        ok=len(ok),
+        errors=dict(errors),
+        ttft=_lat(ttft),
+        tpot=_lat(tpot),
+        e2e=_lat(e2e),
+        client_queue_p99=pct([r.client_queue_s for r in rs], 99) if rs else float("nan"),
+        duration_s=duration,
+        throughput_rps=len(ok) / duration if duration > 0 else float("nan"),
+        output_tps=sum(r.output_tokens for r in ok) / duration if duration > 0 else float("nan"),
+        prompt_tokens=prompt,
+        cached_tokens=cached,
+        hit_rate=hit,
+        recompute_avoided=avoided,
+        prefetch_requests=len(pf),
+        prefetch_hidden_s=hidden,
+        pred_abs_rel_err_p50=pct(absrel, 50),
+        pred_abs_rel_err_p90=pct(absrel, 90),
+        pred_bias=pct(rel, 50),
+        stats=dict(run.meta.stats),
+    )

@@ -1,0 +1,425 @@
+"""The gateway's configuration: one YAML file, pydantic-validated, env overrides (DESIGN.md §4.6).
+
+Why pydantic at this edge: a bad config must fail at start with the field path and the
+reason (`workers[1].url: ...`), not as an AttributeError on the first request.
+
+Environment overrides: a variable `KVROUTE_A__B__C=value` sets `a.b.c`; a numeric part
+indexes a list (`KVROUTE_WORKERS__0__URL=...`). Values are parsed as YAML scalars, so
+`8080`, `true`, `[a, b]` and `null` have their YAML types. Relative paths in the file
+(tokenizer folders, trace files, profiles) are resolved against the file's folder.
+"""
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+ENV_PREFIX = "KVROUTE_"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+PROFILES_DIR = REPO_ROOT / "configs" / "profiles"
+_TIER_NAMES = ("CPU", "DISK", "REMOTE", "PEER")
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names the field path and the reason."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=False)
+
+
+class LinkConfig(_Strict):
+    read_Bps: float = Field(gt=0)
+    latency_s: float = Field(default=0.0, ge=0)
+
+
+class CostConfig(_Strict):
+    """A worker's speed coefficients before its reports (or instead of them, for vLLM)."""
+
+    block_bytes: int | None = Field(default=None, gt=0)
+    prefill_tokens_per_s: float | None = Field(default=None, gt=0)
+    prefill_attn_s_per_token2: float | None = Field(default=None, ge=0)
+    prefill_overhead_s: float | None = Field(default=None, ge=0)
+    decode_step_s: float | None = Field(default=None, ge=0)
+    links: dict[str, LinkConfig] = Field(default_factory=dict)
+
+    @field_validator("links")
+    @classmethod
+    def _tiers(cls, v: dict[str, LinkConfig]) -> dict[str, LinkConfig]:
+        out = {}
+        for k, link in v.items():
+            if k.upper() not in _TIER_NAMES:
+                raise ValueError(f"unknown tier {k!r}; expected one of {', '.join(_TIER_NAMES)}")
+            out[k.upper()] = link
+        return out
+
+    def merged(self, over: CostConfig | None) -> CostConfig:
+        """This config with every field `over` sets replaced (links merged per tier)."""
+        if over is None:
+            return self
+        data = self.model_dump()
+        for k, v in over.model_dump(exclude={"links"}).items():
+            if v is not None:
+                data[k] = v
+        links = {k: LinkConfig(**v) for k, v in data.pop("links").items()}
+        links.update(over.links)
+        return CostConfig(**data, links=links)
+
+
+class NamespaceConfig(_Strict):
+    """The model-level fields of `kvindex.keys.Namespace` (everything but the model id)."""
+
+    revision: str = ""
+    tokenizer_revision: str = ""
+    kv_dtype: str = "auto"
+    parallel: str = "tp1"
+    block_size: int = Field(default=16, gt=0, le=4096)
+
+
+class SharedPrefixConfig(_Strict):
+    """A prefix shared on purpose across tenants (a public system prompt).
+
+    Exactly one of `token_ids` (as sent), `text` (a completion prompt's start, tokenized
+    like a prompt) or `messages` (a chat's first messages, rendered with the model's
+    template) is given. Only its full blocks stay unsalted.
+    """
+
+    name: str
+    model: str | None = None
+    token_ids: list[int] | None = None
+    text: str | None = None
+    messages: list[dict[str, str]] | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> SharedPrefixConfig:
+        given = [x for x in (self.token_ids, self.text, self.messages) if x is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of token_ids, text, messages")
+        return self
+
+
+class ModelConfig(_Strict):
+    id: str = Field(min_length=1)
+    served_names: list[str] = Field(default_factory=list)
+    tokenizer: Path
+    max_context_tokens: int = Field(default=131072, gt=0)
+    namespace: NamespaceConfig = Field(default_factory=NamespaceConfig)
+    # A simulated-worker profile (name in configs/profiles/ or a path) whose `cost`
+    # section seeds this model's cost defaults; explicit `cost` fields win.
+    profile: str | None = None
+    cost: CostConfig = Field(default_factory=CostConfig)
+
+
+class EventsConfig(_Strict):
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = "kv"
+    # vLLM publishing to `tcp://127.0.0.1:P` connects, so the subscriber must bind.
+    bind: bool = False
+
+    @field_validator("endpoint", "replay_endpoint")
+    @classmethod
+    def _zmq(cls, v: str | None) -> str | None:
+        if v is not None and not re.match(r"^(tcp|ipc|inproc)://", v):
+            raise ValueError("must be a ZMQ endpoint (tcp://host:port, ipc://path)")
+        return v
+
+
+class WorkerConfig(_Strict):
+    id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")
+    url: str
+    kind: Literal["kvroute", "vllm"] = "kvroute"
+    model: str | None = None  # defaults to the only model
+    events: EventsConfig | None = None  # kvroute: learned from /info unless given
+    block_size: int | None = Field(default=None, gt=0)  # vLLM engine block size (default: model's)
+    remote_group: str | None = None
+    max_inflight: int | None = Field(default=None, gt=0)
+    cost: CostConfig | None = None
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if not re.match(r"^https?://[^/\s]+", v):
+            raise ValueError("must be an http(s) URL like http://127.0.0.1:9000")
+        return v.rstrip("/")
+
+
+class PrefetchConfig(_Strict):
+    enabled: bool = True
+    min_blocks: int = Field(default=1, ge=1)
+    margin_s: float = Field(default=0.05, ge=0)  # added to the predicted queue time for the deadline
+    min_deadline_s: float = Field(default=0.2, gt=0)
+    # how long dispatch waits at most for the 202 of a peer-pull prefetch before forwarding
+    ack_timeout_s: float = Field(default=0.05, gt=0)
+
+
+class RoutingConfig(_Strict):
+    policy: str = "kv_cost"
+    params: dict[str, Any] = Field(default_factory=dict)
+    prefetch: PrefetchConfig = Field(default_factory=PrefetchConfig)
+    max_ttft_s: float | None = Field(default=None, gt=0)  # SLO: shed (429) when every worker predicts more
+    retries: int = Field(default=1, ge=0, le=3)
+    default_retry_after_s: float = Field(default=1.0, gt=0)
+
+
+class TenantConfig(_Strict):
+    id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    api_keys: list[str] = Field(min_length=1)
+    # Isolation salt: enters every key of this tenant's requests. Default: derived from
+    # the id (isolates tenants from each other; set a secret one to make keys unguessable).
+    salt: str | None = None
+    max_concurrency: int | None = Field(default=None, gt=0)
+
+    @field_validator("api_keys")
+    @classmethod
+    def _keys(cls, v: list[str]) -> list[str]:
+        if any(len(k) < 8 for k in v):
+            raise ValueError("API keys must be at least 8 characters")
+        return v
+
+
+class LimitsConfig(_Strict):
+    max_body_bytes: int = Field(default=8 * 1024 * 1024, gt=0)
+    max_prompt_tokens: int | None = Field(default=None, gt=0)  # default: the model's context
+    default_max_tokens: int = Field(default=1024, gt=0)
+    max_messages: int = Field(default=4096, gt=0)
+    tenant_max_concurrency: int = Field(default=1024, gt=0)
+    worker_max_inflight: int | None = Field(default=None, gt=0)
+    max_stop_sequences: int = Field(default=4, ge=0)
+
+
+class TraceConfig(_Strict):
+    enabled: bool = False
+    path: Path = Path("runs/gateway-trace.jsonl")
+    # Keyed-hash salt: without it hash ids cannot be linked to content. Default: random per run.
+    salt: str | None = None
+    block_tokens: int = Field(default=512, gt=0)
+    max_ids: int = Field(default=10_000_000, gt=0)
+
+
+class ObservabilityConfig(_Strict):
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    access_log: bool = False
+    trace: TraceConfig = Field(default_factory=TraceConfig)
+
+
+class PoolConfig(_Strict):
+    load_poll_interval_s: float = Field(default=0.1, gt=0)
+    health_interval_s: float = Field(default=1.0, gt=0)
+    unhealthy_after: int = Field(default=3, ge=1)  # consecutive failed checks
+    connect_timeout_s: float = Field(default=1.0, gt=0)
+    request_timeout_s: float = Field(default=600.0, gt=0)
+    probe_timeout_s: float = Field(default=2.0, gt=0)
+    max_connections: int = Field(default=1024, gt=0)
+
+
+class ListenConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+
+
+class Config(_Strict):
+    listen: ListenConfig = Field(default_factory=ListenConfig)
+    admin_token: str | None = None
+    models: list[ModelConfig] = Field(min_length=1)
+    workers: list[WorkerConfig] = Field(default_factory=list)
+    routing: RoutingConfig = Field(default_factory=RoutingConfig)
+    tenants: list[TenantConfig] = Field(default_factory=list)
+    shared_prefixes: list[SharedPrefixConfig] = Field(default_factory=list)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    observability: ObservabilityConfig = Field(default_factory=ObservabilityConfig)
+    pool: PoolConfig = Field(default_factory=PoolConfig)
+
+    @model_validator(mode="after")
+    def _cross(self) -> Config:
+        names: dict[str, str] = {}
+        for m in self.models:
+            for n in (m.id, *m.served_names):
+                if n in names and names[n] != m.id:
+                    raise ValueError(f"model name {n!r} is served by both {names[n]!r} and {m.id!r}")
+                names[n] = m.id
+        ids = set()
+        for i, w in enumerate(self.workers):
+            if w.id in ids:
+                raise ValueError(f"workers[{i}].id: duplicate worker id {w.id!r}")
+            ids.add(w.id)
+            if w.model is None:
+                if len(self.models) != 1:
+                    raise ValueError(f"workers[{i}].model: required when several models are configured")
+                w.model = self.models[0].id
+            elif w.model not in names:
+                raise ValueError(f"workers[{i}].model: unknown model {w.model!r}")
+            else:
+                w.model = names[w.model]
+            if w.kind == "vllm" and w.events is None:
+                pass  # allowed: such a worker is routed by load alone (no index entries)
+        keys: dict[str, str] = {}
+        tids = set()
+        for t in self.tenants:
+            if t.id in tids:
+                raise ValueError(f"duplicate tenant id {t.id!r}")
+            tids.add(t.id)
+            for k in t.api_keys:
+                if k in keys:
+                    raise ValueError(f"API key of tenant {t.id!r} is also given to {keys[k]!r}")
+                keys[k] = t.id
+        for s in self.shared_prefixes:
+            if s.model is not None and s.model not in names:
+                raise ValueError(f"shared prefix {s.name!r}: unknown model {s.model!r}")
+        return self
+
+    def model_by_name(self, name: str) -> ModelConfig | None:
+        for m in self.models:
+            if name == m.id or name in m.served_names:
+                return m
+        return None
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _fmt_loc(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out or "(root)"
+
+
+def format_validation_error(e: ValidationError) -> str:
+    lines = []
+    for err in e.errors():
+        lines.append(f"{_fmt_loc(tuple(err['loc']))}: {err['msg']}")
+    return "; ".join(lines)
+
+
+def apply_env_overrides(data: dict[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
+    """Set `a.b.c` from `KVROUTE_A__B__C` (lists indexed by number). Returns `data`."""
+    for name in sorted(environ):
+        if not name.startswith(ENV_PREFIX):
+            continue
+        parts = [p.lower() for p in name[len(ENV_PREFIX) :].split("__") if p]
+        if not parts:
+            continue
+        try:
+            value = yaml.safe_load(environ[name])
+        except yaml.YAMLError:
+            value = environ[name]
+        node: Any = data
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            if isinstance(node, list):
+                if not part.isdigit() or int(part) >= len(node):
+                    raise ConfigError(f"{name}: no list element {part!r} to override")
+                key: Any = int(part)
+            else:
+                key = part
+            if last:
+                node[key] = value
+            else:
+                if isinstance(node, dict) and key not in node:
+                    node[key] = {}
+                node = node[key]
+                if not isinstance(node, (dict, list)):
+                    raise ConfigError(f"{name}: {'.'.join(parts[: i + 1])} is not a section")
+    return data
+
+
+def _resolve_paths(cfg: Config, base: Path) -> None:
+    for m in cfg.models:
+        if not m.tokenizer.is_absolute():
+            cand = base / m.tokenizer
+            m.tokenizer = cand if cand.exists() or not (REPO_ROOT / m.tokenizer).exists() else REPO_ROOT / m.tokenizer
+    t = cfg.observability.trace
+    if not t.path.is_absolute():
+        t.path = base / t.path
+
+
+def profile_path(name_or_path: str, base: Path) -> Path:
+    p = Path(name_or_path)
+    for cand in (base / p, p, PROFILES_DIR / p, PROFILES_DIR / f"{name_or_path}.yaml"):
+        if cand.is_file():
+            return cand
+    raise ConfigError(f"profile {name_or_path!r}: no such file (looked in {base} and {PROFILES_DIR})")
+
+
+def read_profile(name_or_path: str, base: Path = REPO_ROOT) -> dict[str, Any]:
+    """A simulated-worker profile as plain data (the gateway reads the YAML; it never imports workers)."""
+    path = profile_path(name_or_path, base)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"profile {path}: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"profile {path}: not a mapping")
+    return data
+
+
+def _apply_profiles(cfg: Config, base: Path) -> None:
+    """Seed a model's namespace, context and cost defaults from its profile (explicit fields win)."""
+    from .profile import cost_from_profile, namespace_from_profile
+
+    for i, m in enumerate(cfg.models):
+        if m.profile is None:
+            continue
+        data = read_profile(m.profile, base)
+        try:
+            seeded = cost_from_profile(data)
+            ns = namespace_from_profile(data)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"models[{i}].profile: {m.profile!r} is not a usable profile: {e}") from None
+        m.cost = seeded.merged(m.cost)
+        explicit = m.namespace.model_fields_set if "namespace" in m.model_fields_set else set()
+        for f in NamespaceConfig.model_fields:
+            if f not in explicit:
+                setattr(m.namespace, f, getattr(ns, f))
+        if "max_context_tokens" not in m.model_fields_set and "max_context_tokens" in data:
+            m.max_context_tokens = int(data["max_context_tokens"])
+
+
+def build_config(data: Mapping[str, Any], base: Path = REPO_ROOT, environ: Mapping[str, str] | None = None) -> Config:
+    """Validate plain data (+ env overrides) into a Config, or raise ConfigError with field paths."""
+    raw = apply_env_overrides(_deepcopy(dict(data)), os.environ if environ is None else environ)
+    try:
+        cfg = Config.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e)) from None
+    _resolve_paths(cfg, base)
+    _apply_profiles(cfg, base)
+    for i, m in enumerate(cfg.models):
+        if not m.tokenizer.is_dir():
+            raise ConfigError(f"models[{i}].tokenizer: {m.tokenizer} is not a folder")
+    return cfg
+
+
+def load_config(path: str | Path, environ: Mapping[str, str] | None = None) -> Config:
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ConfigError(f"{p}: {e.strerror or e}") from None
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: the top level must be a mapping")
+    try:
+        return build_config(data, p.resolve().parent, environ)
+    except ConfigError as e:
+        raise ConfigError(f"{p}: {e}") from None
+
+
+def _deepcopy(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {k: _deepcopy(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_deepcopy(v) for v in x]
+    return x

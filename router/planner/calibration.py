@@ -1,0 +1,287 @@
+"""Online calibration of the cost model from what workers report (usage.kv, docs/wire.md).
+
+Profiles give each worker's speeds up front; reality differs (batching with decodes,
+chunking overheads, a slower disk, a congested network). After each request the
+worker reports `kv: {loaded_tokens: {tier: n}, recomputed_tokens, prefetched_tokens,
+queue_ms, load_ms, prefill_ms, ttft_ms}`; from it the calibrator keeps, per worker,
+two kinds of time multipliers relative to the worker's base CostParams:
+
+* `prefill_scale` = observed prefill time / the wire formula's prediction for the
+  same (new, cached) tokens. Applying it divides the speed and multiplies the
+  attention and overhead coefficients: an effective tokens/s.
+* `link_scales[tier]` = observed load time / `latency + bytes / read_Bps`, taken only
+  from requests that loaded from exactly one tier below GPU and had nothing
+  prefetched (otherwise the time cannot be attributed). An effective bandwidth.
+
+Both are EWMAs in log space (a 2× error and a 0.5× error weigh the same), clamped to
+[min_scale, max_scale]; a sample further than `outlier_ratio` from the current value is
+rejected unless `accept_after` such samples come in a row (a real regime change, e.g.
+a disk that slowed down), and tiny prefills (< min_prefill_tokens, overhead noise) are
+ignored. Predicted-vs-actual TTFT is tracked per worker and overall (running mean,
+std, mean absolute and relative error, plus recent-window quantiles) for the
+gateway's metric.
+
+Not thread-safe (one owner, like the index). Bounded: at most `max_workers` workers'
+state is kept (the oldest entry is dropped first) and a fixed window per worker.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+
+from kvindex.tiers import Tier
+
+from .cost import load_seconds, prefill_seconds
+from .types import CostParams, Link
+
+_TIER_BY_NAME = {t.name: t for t in Tier}
+
+
+@dataclass(slots=True)
+class ErrorStats:
+    """Predicted vs actual TTFT (error = actual - predicted, seconds)."""
+
+    count: int = 0
+    mean_error_s: float = 0.0  # > 0: the model predicts too little
+    std_error_s: float = 0.0
+    mean_abs_error_s: float = 0.0
+    mean_abs_rel_error: float = 0.0  # |actual - predicted| / actual
+    p50_abs_rel_error: float = 0.0  # over the recent window
+    p90_abs_rel_error: float = 0.0
+
+
+@dataclass(slots=True)
+class _ErrorAcc:
+    window: int
+    n: int = 0
+    mean: float = 0.0
+    m2: float = 0.0
+    abs_sum: float = 0.0
+    rel_sum: float = 0.0
+    recent: deque[float] = field(default_factory=deque)
+
+    def add(self, err: float, rel: float) -> None:
+        self.n += 1
+        d = err - self.mean
+        self.mean += d / self.n
+        self.m2 += d * (err - self.mean)
+        self.abs_sum += abs(err)
+        self.rel_sum += rel
+        self.recent.append(rel)
+        if len(self.recent) > self.window:
+            self.recent.popleft()
+
+    def stats(self) -> ErrorStats:
+        if not self.n:
+            return ErrorStats()
+        rs = sorted(self.recent)
+        return ErrorStats(
+            self.n,
+            self.mean,
+            math.sqrt(self.m2 / self.n),
+            self.abs_sum / self.n,
+            self.rel_sum / self.n,
+            rs[(len(rs) - 1) // 2],
+            rs[min(len(rs) - 1, int(0.9 * len(rs)))],
+        )
+
+
+@dataclass(slots=True)
+class WorkerCoefficients:
+    """One worker's calibrated multipliers (1.0 = its profile is right)."""
+
+    prefill_scale: float = 1.0
+    link_scales: dict[Tier, float] = field(default_factory=dict)
+    prefill_samples: int = 0
+    link_samples: dict[Tier, int] = field(default_factory=dict)
+    rejected: int = 0
+    prefill_streak: int = 0
+    link_streaks: dict[Tier, int] = field(default_factory=dict)
+
+
+def _num(d: Mapping, key: str) -> float | None:
+    v = d.get(key)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    v = float(v)
+    return v if math.isfinite(v) and v >= 0.0 else None
+
+
+class Calibrator:
+    """Per-worker coefficients refined from usage.kv, and TTFT error statistics."""
+
+    def __init__(
+        self,
+        alpha: float = 0.2,
+        min_scale: float = 0.25,
+        max_scale: float = 4.0,
+        outlier_ratio: float = 3.0,
+        accept_after: int = 3,
+        min_prefill_tokens: int = 64,
+        window: int = 256,
+        max_workers: int = 4096,
+    ) -> None:
+        if not 0.0 < alpha <= 1.0:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        if not 0.0 < min_scale <= 1.0 <= max_scale:
+            raise ValueError(f"need 0 < min_scale <= 1 <= max_scale, got {min_scale}, {max_scale}")
+        if outlier_ratio <= 1.0:
+            raise ValueError(f"outlier_ratio must be > 1, got {outlier_ratio}")
+        if accept_after < 1 or window < 1 or max_workers < 1 or min_prefill_tokens < 0:
+            raise ValueError("accept_after, window and max_workers must be >= 1, min_prefill_tokens >= 0")
+        self.alpha = alpha
+        self.min_scale = min_scale
+        self.max_scale = max_scale
+        self._log_outlier = math.log(outlier_ratio)
+        self.accept_after = accept_after
+        self.min_prefill_tokens = min_prefill_tokens
+        self.window = window
+        self.max_workers = max_workers
+        self._coef: dict[str, WorkerCoefficients] = {}
+        self._errors: dict[str, _ErrorAcc] = {}
+        self._all = _ErrorAcc(window * 4)
+
+    # ------------------------------------------------------------------ feeding
+
+    def observe(
+        self,
+        worker_id: str,
+        base: CostParams | None,
+        predicted_ttft: float | None,
+        actual_ttft: float,
+        kv: Mapping | None,
+    ) -> None:
+        """One finished prefill. `base`: the CostParams the prediction used (None: errors only)."""
+        if predicted_ttft is not None and math.isfinite(predicted_ttft) and math.isfinite(actual_ttft):
+            if actual_ttft >= 0.0:
+                err = actual_ttft - predicted_ttft
+                rel = abs(err) / max(actual_ttft, 1e-3)
+                acc = self._errors.get(worker_id)
+                if acc is None:
+                    acc = self._errors[worker_id] = _ErrorAcc(self.window)
+                    self._bound(self._errors)
+                acc.add(err, rel)
+                self._all.add(err, rel)
+        if base is None or not isinstance(kv, Mapping):
+            return
+        co = self._coef.get(worker_id)
+        if co is None:
+            co = self._coef[worker_id] = WorkerCoefficients()
+            self._bound(self._coef)
+        loaded_raw = kv.get("loaded_tokens")
+        loaded: dict[Tier, float] = {}
+        if isinstance(loaded_raw, Mapping):
+            for name, v in loaded_raw.items():
+                t = _TIER_BY_NAME.get(name) if isinstance(name, str) else None
+                n = _num(loaded_raw, name)
+                if t is not None and n:
+                    loaded[t] = n
+        recomputed = _num(kv, "recomputed_tokens")
+        prefill_ms = _num(kv, "prefill_ms")
+        if (
+            recomputed is not None
+            and recomputed >= max(self.min_prefill_tokens, 1)
+            and prefill_ms
+            and base.prefill_tokens_per_s > 0.0
+        ):
+            pred = prefill_seconds(base, int(recomputed), int(sum(loaded.values())))
+            if pred > 0.0:
+                co.prefill_scale, co.prefill_streak, ok = self._update(
+                    co.prefill_scale, prefill_ms / 1000.0 / pred, co.prefill_streak
+                )
+                co.prefill_samples += ok
+                co.rejected += not ok
+        below = [t for t in loaded if t is not Tier.GPU]
+        load_ms = _num(kv, "load_ms")
+        prefetched = _num(kv, "prefetched_tokens") or 0.0
+        if len(below) == 1 and load_ms and not prefetched and base.block_size > 0:
+            t = below[0]
+            link = base.links.get(t)
+            if link is not None and link.read_Bps > 0.0:
+                blocks = math.ceil(loaded[t] / base.block_size)
+                pred = load_seconds(link, blocks, base.block_bytes)
+                if pred > 0.0:
+                    cur = co.link_scales.get(t, 1.0)
+                    new, streak, ok = self._update(cur, load_ms / 1000.0 / pred, co.link_streaks.get(t, 0))
+                    co.link_scales[t] = new
+                    co.link_streaks[t] = streak
+                    co.link_samples[t] = co.link_samples.get(t, 0) + ok
+                    co.rejected += not ok
+
+    def _update(self, cur: float, ratio: float, streak: int) -> tuple[float, int, bool]:
+        """EWMA step in log space with outlier rejection; returns (value, streak, accepted)."""
+        if not (ratio > 0.0 and math.isfinite(ratio)):
+            return cur, streak, False
+        lr = math.log(ratio)
+        lc = math.log(cur)
+        if abs(lr - lc) > self._log_outlier:
+            streak += 1
+            if streak < self.accept_after:
+                return cur, streak, False
+        streak = 0
+        v = math.exp(lc + self.alpha * (lr - lc))
+        v = self.min_scale if v < self.min_scale else self.max_scale if v > self.max_scale else v
+        return v, streak, True
+
+    def _bound(self, d: dict) -> None:
+        while len(d) > self.max_workers:
+            del d[next(iter(d))]
+
+    def forget(self, worker_id: str) -> None:
+        """Drop a removed worker's state."""
+        self._coef.pop(worker_id, None)
+        self._errors.pop(worker_id, None)
+
+    # ------------------------------------------------------------------ reading
+
+    def factors(self, worker_id: str) -> tuple[float, dict[Tier, float] | None]:
+        """(prefill time multiplier, per-tier load time multipliers) for the cost model."""
+        co = self._coef.get(worker_id)
+        if co is None:
+            return 1.0, None
+        return co.prefill_scale, (co.link_scales or None)
+
+    @property
+    def active(self) -> bool:
+        """True once any worker has coefficients (callers may skip `factors` until then)."""
+        return bool(self._coef)
+
+    def coefficients(self, worker_id: str) -> WorkerCoefficients | None:
+        return self._coef.get(worker_id)
+
+    def apply(self, worker_id: str, base: CostParams) -> CostParams:
+        """A copy of `base` with this worker's calibration applied (effective speeds)."""
+        ps, ls = self.factors(worker_id)
+        links = {}
+        for t, link in base.links.items():
+            s = ls.get(t, 1.0) if ls else 1.0
+            links[t] = Link(link.read_Bps / s, link.latency_s * s)
+        return replace(
+            base,
+            prefill_tokens_per_s=base.prefill_tokens_per_s / ps,
+            prefill_attn_s_per_token2=base.prefill_attn_s_per_token2 * ps,
+            prefill_overhead_s=base.prefill_overhead_s * ps,
+            links=links,
+        )
+
+    def error_stats(self, worker_id: str | None = None) -> ErrorStats:
+        """TTFT prediction error for one worker, or over all of them."""
+        if worker_id is None:
+            return self._all.stats()
+        acc = self._errors.get(worker_id)
+        return acc.stats() if acc else ErrorStats()
+
+    def snapshot(self) -> dict[str, dict]:
+        """Per worker coefficients, for metrics and the admin API (plain types)."""
+        out: dict[str, dict] = {}
+        for wid, co in self._coef.items():
+            out[wid] = {
+                "prefill_scale": co.prefill_scale,
+                "prefill_samples": co.prefill_samples,
+                "link_scales": {t.name: v for t, v in co.link_scales.items()},
+                "link_samples": {t.name: v for t, v in co.link_samples.items()},
+                "rejected": co.rejected,
+            }
+        return out

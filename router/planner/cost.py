@@ -1,0 +1,426 @@
+"""The cost model of DESIGN.md §5: per worker, the estimated time to first token.
+
+For a request of N prompt tokens (n full blocks of B tokens) and a worker w:
+
+* `m_t(w)`: the leading blocks of the request w can reach, as tier runs in block
+  order (`PrefixMatch.runs`; a block counts in its fastest tier; REMOTE is already
+  expanded by the index). Blocks beyond w's own match that another worker holds (the
+  longest match among the others, in that holder's tiers) form a PEER extension when
+  w can pull from peers (`supports_peer_pull`, `supports_prefetch` — the pull goes
+  through `/kv/prefetch` with `source_peer` — and a `Tier.PEER` link). A PEER block
+  costs `block_bytes / min(peer link, holder's read link of its tier)`.
+* Only blocks `1..u` with `u = min(n, (N - 1) // B)` can come from cache: engines
+  compute at least the last prompt token (vLLM never serves a full-prompt hit).
+  A tier with no link in `CostParams.links` cannot be loaded: the match stops there.
+* `T_load(k) = Σ_t latency_t + Σ_{j<=k} block_bytes / bandwidth_{tier(j)}`: loading
+  blocks 1..k, latency paid once per tier used (a peer pull: the PEER link's latency
+  once, plus once each holder tier read below GPU).
+* `T_prefill(k)`: the rest recomputed after `c = k·B` cached tokens, with the wire
+  formula `overhead + (N-c)/speed + attn·(N-c)·(c + (N-c)/2)`.
+* `T_ttft(k) = max(T_queue, T_load(k)) + T_prefill(k)` when the worker supports
+  prefetch (every loaded block below GPU is raised while the request waits), else
+  `T_queue + T_load(k) + T_prefill(k)`. `T_queue`: router/planner/load.py.
+
+The cut k (load 1..k, recompute k+1..n) minimises T_ttft. Loading block j instead of
+recomputing it saves `s(j) = B/speed + attn·B²·(j + 1/2)`, which grows with j
+(attention), while loading costs the same `b` per block of one run. Within a run
+(blocks k0+1..e, the tier's latency λ paid with block k0+1), without overlap the step
+`T(k+1) - T(k)` is `λ + b - s(k0)` at k0 and `b - s(k)` after: non-increasing. So if any
+step inside the run is <= 0, every later one is too, and the minimum over [k0, e] is at
+k0 or e: only run ends need evaluating. With prefetch overlap, `max(T_queue, T_load)`
+adds one kink where T_load crosses T_queue; on each side the same argument holds, so
+the two integers around the crossing join the candidates. `best_cut` therefore
+evaluates at most three k per run (no per-block work); tests/test_planner_cost.py
+checks it against brute force over every k, and the step property itself.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from kvindex.index import PrefixMatch
+from kvindex.tiers import Tier
+
+from .load import queue_seconds
+from .types import CostParams, Estimate, Link, RouteRequest, WorkerView
+
+INF = math.inf
+# (tier, blocks, seconds per block, latency, latency key): the latency is paid when the
+# first segment with that key (0..63) is loaded; local tiers use int(tier) as key.
+Segment = tuple[Tier, int, float, float, int]
+_PEER_KEY0 = 8  # PEER blocks read from the holder's tier t use key _PEER_KEY0 + t
+_GPU = Tier.GPU
+_PEER = Tier.PEER
+_KEY = {t: int(t) for t in Tier}
+
+
+def prefill_seconds(cost: CostParams, new_tokens: int, cached_tokens: int, scale: float = 1.0) -> float:
+    """The wire formula (docs/wire.md /load speeds): prefill `new_tokens` after `cached_tokens`."""
+    n = new_tokens
+    t = cost.prefill_overhead_s + n / cost.prefill_tokens_per_s
+    t += cost.prefill_attn_s_per_token2 * n * (cached_tokens + n * 0.5)
+    return t * scale
+
+
+def load_seconds(link: Link, blocks: int, block_bytes: int, scale: float = 1.0) -> float:
+    """Loading `blocks` over one link: one latency plus bytes over bandwidth."""
+    if blocks <= 0:
+        return 0.0
+    return (link.latency_s + blocks * block_bytes / link.read_Bps) * scale
+
+
+def usable_blocks(prompt_tokens: int, n_blocks: int, block_size: int) -> int:
+    """Leading blocks that may come from cache (at least one prompt token is computed)."""
+    if prompt_tokens <= 0 or block_size <= 0:
+        return 0
+    u = (prompt_tokens - 1) // block_size
+    return n_blocks if n_blocks < u else u
+
+
+@dataclass(slots=True)
+class Cut:
+    """The chosen split: load blocks 1..k, recompute the rest."""
+
+    k: int
+    t_load: float  # total load time of blocks 1..k (no overlap)
+    t_prefill: float
+    t_ttft: float  # including the queue, with prefetch overlap when it applies
+
+
+def ttft_at(
+    segs: Sequence[Segment],
+    k: int,
+    prompt_tokens: int,
+    block_size: int,
+    speed: float,
+    attn: float,
+    overhead: float,
+    queue_s: float,
+    overlap: bool,
+) -> Cut:
+    """T_ttft for one given cut k, by walking the segments (reference for tests, explain)."""
+    load = 0.0
+    paid = 0
+    left = k
+    for _tier, count, block_s, lat, key in segs:
+        if left <= 0:
+            break
+        take = count if count < left else left
+        bit = 1 << key
+        if not paid & bit:
+            paid |= bit
+            load += lat
+        load += take * block_s
+        left -= take
+    if left > 0:
+        raise ValueError(f"cut {k} is beyond the {k - left} loadable blocks")
+    c = k * block_size
+    n = prompt_tokens - c
+    pre = overhead + n / speed + attn * n * (c + n * 0.5)
+    if overlap:
+        return Cut(k, load, pre, (load if load > queue_s else queue_s) + pre)
+    return Cut(k, load, pre, queue_s + load + pre)
+
+
+def best_cut(
+    segs: Sequence[Segment],
+    prompt_tokens: int,
+    block_size: int,
+    speed: float,
+    attn: float,
+    overhead: float,
+    queue_s: float,
+    overlap: bool,
+) -> Cut:
+    """The cut minimising T_ttft, from run boundaries only (see the module doc)."""
+    N = prompt_tokens
+    B = block_size
+    inv = 1.0 / speed
+    half = 0.5 * attn
+    NN = N * N
+    Q = queue_s
+    best_k = 0
+    best_load = 0.0
+    best_pre = overhead + N * inv + half * NN
+    best_f = Q + best_pre
+    k0 = 0
+    L0 = 0.0
+    paid = 0
+    for _tier, count, bs, lat, key in segs:
+        if count <= 0:
+            continue
+        bit = 1 << key
+        lam = 0.0 if paid & bit else lat
+        paid |= bit
+        e = k0 + count
+        base = L0 + lam - bs * k0  # L(k) = base + bs * k for k in (k0, e]
+        Le = base + bs * e
+        if overlap and L0 < Q < Le:
+            # T_load crosses T_queue inside this run: c = first k with L(k) >= Q
+            x = (Q - base) / bs if bs > 0.0 else 0.0
+            c = k0 + 1 if x <= k0 + 1 else e if x >= e else math.ceil(x)
+            cands: tuple[int, ...] = (c - 1, c, e) if c - 1 > k0 else (c, e)
+        else:
+            cands = (e,)
+        for k in cands:
+            L = base + bs * k
+            c = k * B
+            pre = overhead + (N - c) * inv + half * (NN - c * c)
+            if overlap:
+                f = (L if L > Q else Q) + pre
+            else:
+                f = Q + L + pre
+            if f < best_f or (f == best_f and k > best_k):
+                best_f = f
+                best_k = k
+                best_load = L
+                best_pre = pre
+        k0 = e
+        L0 = Le
+    return Cut(best_k, best_load, best_pre, best_f)
+
+
+def split_by_tier(segs: Sequence[Segment], k: int) -> dict[Tier, int]:
+    """How many of blocks 1..k each tier supplies."""
+    out: dict[Tier, int] = {}
+    left = k
+    for tier, count, _, _, _ in segs:
+        if left <= 0:
+            break
+        take = count if count < left else left
+        out[tier] = out.get(tier, 0) + take
+        left -= take
+    return out
+
+
+@dataclass(slots=True)
+class RequestContext:
+    """Per-request facts every worker's estimate shares (computed once per decision)."""
+
+    prompt_tokens: int
+    n_blocks: int
+    matches: Mapping[str, PrefixMatch]
+    views: dict[str, WorkerView]
+    # The two longest matches among the candidate workers: (blocks, worker_id).
+    top: list[tuple[int, str]]
+    # PEER segments already priced in this decision, by (holder, start, end, link, scale).
+    _peer_memo: dict[tuple, list[Segment]] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, req: RouteRequest, workers: Sequence[WorkerView]) -> RequestContext:
+        views = {w.worker_id: w for w in workers}
+        a: tuple[int, str] = (0, "")
+        b: tuple[int, str] = (0, "")
+        for wid, m in req.matches.items():
+            if m.blocks > b[0] and wid in views:
+                if m.blocks > a[0]:
+                    a, b = (m.blocks, wid), a
+                else:
+                    b = (m.blocks, wid)
+        top = [t for t in (a, b) if t[0] > 0]
+        return cls(req.prompt_tokens, len(req.digests), req.matches, views, top)
+
+    def peer_for(self, worker_id: str, own_blocks: int) -> tuple[str, int] | None:
+        """The other worker holding the longest match, if longer than `own_blocks`."""
+        for blocks, wid in self.top:
+            if wid != worker_id:
+                return (wid, blocks) if blocks > own_blocks else None
+        return None
+
+    def peer_segments(
+        self, holder: str, start: int, end: int, link: Link, block_bytes: int, scale: float
+    ) -> list[Segment]:
+        """Blocks [start, end) pulled from `holder` over `link`: PEER segments priced at the
+        bottleneck of the PEER link and the holder's read link of each of its tiers.
+        Memoised per decision: most pullers share the same holder, range and link."""
+        key = (holder, start, end, link.read_Bps, link.latency_s, block_bytes, scale)
+        segs = self._peer_memo.get(key)
+        if segs is not None:
+            return segs
+        out: list[Segment] = []
+        hlinks = self.views[holder].cost.links
+        pos = 0
+        lat0 = link.latency_s  # the PEER link's latency, on the first PEER segment
+        for tier, count in self.matches[holder].runs:
+            lo, hi = pos, pos + count
+            pos = hi
+            if hi <= start:
+                continue
+            lo = lo if lo > start else start
+            hi = hi if hi < end else end
+            if hi <= lo:
+                break
+            bw = link.read_Bps
+            lat = lat0
+            lat0 = 0.0
+            if tier is not _GPU:
+                hl = hlinks.get(tier)
+                if hl is None or hl.read_Bps <= 0.0:
+                    break
+                if hl.read_Bps < bw:
+                    bw = hl.read_Bps
+                lat += hl.latency_s
+            out.append((_PEER, hi - lo, block_bytes / bw * scale, lat * scale, _PEER_KEY0 + _KEY[tier]))
+        self._peer_memo[key] = out
+        return out
+
+
+def _invalid(w: WorkerView, why: str) -> Estimate:
+    return Estimate(
+        w.worker_id, {}, 0, {}, {}, 0, INF, 0.0, 0.0, INF, INF, eligible=False, note=f"invalid cost params: {why}"
+    )
+
+
+def estimate_worker(
+    ctx: RequestContext,
+    w: WorkerView,
+    prefetch: bool = True,
+    peer: bool = True,
+    exact_queue: bool = False,
+    prefill_scale: float = 1.0,
+    link_scales: Mapping[Tier, float] | None = None,
+) -> Estimate:
+    """Every term of the model for one worker (what /admin/route/explain shows).
+
+    `prefetch`/`peer` let a policy that plans no prefetch or peer pull (the baselines)
+    price what the worker will really do (a peer pull is a prefetch, so it needs both);
+    `prefill_scale` and `link_scales` are the calibrator's time multipliers for this
+    worker (1.0 = profile as is). This runs once per worker per request: it works on
+    tier runs only and keeps allocations few.
+    """
+    c = w.cost
+    B = c.block_size
+    speed = c.prefill_tokens_per_s
+    bb = c.block_bytes
+    if not (speed > 0.0 and B > 0 and bb > 0):
+        return _invalid(w, f"prefill_tokens_per_s={speed}, block_size={B}, block_bytes={bb}")
+    N = ctx.prompt_tokens
+    q = queue_seconds(w, c, prefill_scale, exact_queue)
+    u = usable_blocks(N, ctx.n_blocks, B)
+    links = c.links
+    segs: list[Segment] = []
+    note = ""
+    wid = w.worker_id
+    m = ctx.matches.get(wid)
+    own = 0
+    reach = 0  # blocks the segments cover
+    stopped = False
+    if m is not None:
+        own = m.blocks
+        runs = m.runs
+        matched = {runs[0][0]: own} if len(runs) == 1 else m.per_tier()
+        for tier, count in runs:
+            if reach >= u:
+                break
+            take = count if reach + count <= u else u - reach
+            if tier is _GPU:
+                segs.append((tier, take, 0.0, 0.0, 0))
+            else:
+                link = links.get(tier)
+                if link is None or link.read_Bps <= 0.0:
+                    stopped = True
+                    note = f"no {tier.name} link: blocks from {reach} on are recomputed"
+                    break
+                s = link_scales.get(tier, 1.0) if link_scales else 1.0
+                segs.append((tier, take, bb / link.read_Bps * s, link.latency_s * s, _KEY[tier]))
+            reach += take
+    else:
+        matched = {}
+    peer_src: str | None = None
+    overlap = prefetch and w.supports_prefetch
+    if peer and overlap and w.supports_peer_pull and ctx.top:
+        pl = links.get(_PEER)
+        holder = ctx.peer_for(wid, own) if pl is not None and pl.read_Bps > 0.0 else None
+        if holder is not None:
+            hid, hblocks = holder
+            matched[_PEER] = hblocks - own
+            if not stopped and reach == own and reach < u:
+                s = link_scales.get(_PEER, 1.0) if link_scales else 1.0
+                ext = ctx.peer_segments(hid, own, u, pl, bb, s)
+                if ext:
+                    segs.extend(ext)
+                    peer_src = hid
+    ps = prefill_scale
+    if ps == 1.0:
+        cut = best_cut(segs, N, B, speed, c.prefill_attn_s_per_token2, c.prefill_overhead_s, q, overlap)
+    else:
+        cut = best_cut(segs, N, B, speed / ps, c.prefill_attn_s_per_token2 * ps, c.prefill_overhead_s * ps, q, overlap)
+    k = cut.k
+    pre: dict[Tier, int]
+    if not k:
+        by_tier = {}
+        pre = {}
+    elif len(segs) == 1:
+        t0 = segs[0][0]
+        by_tier = {t0: k}
+        pre = {t0: k} if overlap and t0 is not _GPU else {}
+    else:
+        by_tier = split_by_tier(segs, k)
+        pre = {t: n for t, n in by_tier.items() if t is not _GPU} if overlap else {}
+    if peer_src is not None and _PEER not in by_tier:
+        peer_src = None
+    t_load = cut.t_load
+    if overlap:
+        crit = t_load - q if t_load > q else 0.0
+    else:
+        crit = t_load
+    return Estimate(wid, matched, k, by_tier, pre, N - k * B, q, crit, t_load, cut.t_prefill, cut.t_ttft, True, note, peer_src)
+
+
+def ttft_lower_bound(
+    ctx: RequestContext,
+    w: WorkerView,
+    prefetch: bool = True,
+    peer: bool = True,
+    exact_queue: bool = False,
+    prefill_scale: float = 1.0,
+) -> float:
+    """A cheap bound with `lower <= estimate_worker(...).t_ttft`, for pruning.
+
+    T_ttft >= T_queue + T_prefill(k) for every cut (loads only add), and T_prefill falls
+    with k, so the most blocks w could possibly reuse (its own match, or the longest
+    peer's when it may pull) give the bound. Infinite for invalid cost params.
+    """
+    c = w.cost
+    B = c.block_size
+    speed = c.prefill_tokens_per_s
+    if not (speed > 0.0 and B > 0 and c.block_bytes > 0):
+        return INF
+    N = ctx.prompt_tokens
+    u = (N - 1) // B if N > 0 else 0  # usable_blocks(), inlined: this runs for every worker
+    if ctx.n_blocks < u:
+        u = ctx.n_blocks
+    m = ctx.matches.get(w.worker_id)
+    k = m.blocks if m is not None else 0
+    if peer and prefetch and ctx.top and w.supports_prefetch and w.supports_peer_pull and _PEER in c.links:
+        h = ctx.peer_for(w.worker_id, k)
+        if h is not None:
+            k = h[1]
+    if k > u:
+        k = u
+    cached = k * B
+    n = N - cached
+    pre = c.prefill_overhead_s + n / speed + c.prefill_attn_s_per_token2 * n * (cached + n * 0.5)
+    return queue_seconds(w, c, prefill_scale, exact_queue) + pre * prefill_scale
+
+
+def estimate_all(
+    req: RouteRequest,
+    workers: Sequence[WorkerView],
+    *,
+    prefetch: bool = True,
+    peer: bool = True,
+    exact_queue: bool = False,
+    scales: Callable[[str], tuple[float, Mapping[Tier, float] | None]] | None = None,
+) -> list[Estimate]:
+    """One Estimate per worker, in `workers` order (explain, for any policy).
+
+    `scales(worker_id)` gives the calibrator's (prefill scale, link scales) when set.
+    """
+    ctx = RequestContext.build(req, workers)
+    out = []
+    for w in workers:
+        ps, ls = scales(w.worker_id) if scales else (1.0, None)
+        out.append(estimate_worker(ctx, w, prefetch, peer, exact_queue, ps, ls))
+    return out

@@ -1,0 +1,113 @@
+"""How busy a worker is: the queue-wait estimate `T_queue` and the request counts guards use.
+
+Load reports lag (they are polled), so every figure here joins the worker's last
+report with the router's own in-flight accounting since (WorkerView). Two cases:
+
+* The gateway tracks what it dispatched *after* the report was taken
+  (`inflight_since_report_*` set): the report cannot know those, so they simply add.
+* It does not (None): `inflight_*` counts everything dispatched and not yet done,
+  which overlaps with what the report already holds (requests dispatched before the
+  report sit in both). Adding would double count, so the larger of the two is used:
+  it is exact when this router is the worker's only client (its in-flight set then
+  contains the whole queue) and never counts a request twice.
+
+T_queue formula (seconds):
+
+    report   = est_queue_s                       if the worker gave one (> 0)
+             = pending(waiting + running_prefill tokens, waiting_requests)   otherwise
+    aged     = max(0, report - report_age_s)     (the worker drained its queue meanwhile)
+    T_queue  = aged + pending(since-report tokens, since-report requests)    (precise case)
+             = max(aged, pending(inflight_prefill_tokens))                    (overlap case)
+    pending(P, n) = n * overhead + P / prefill_tokens_per_s + attn * P * (P / n) / 2
+
+`pending` prices P queued prompt tokens as n equal prompts computed from scratch
+(the router does not know what of them hits the worker's cache; the gateway should
+count the recompute tokens its policy predicted as in-flight tokens, not prompt
+tokens). Decode steps interleaved with those prefills are not modelled here; the
+calibrator's prefill scale absorbs their average effect.
+
+`exact=True` (the oracle, fed the simulator's true state) trusts `est_queue_s` as
+is: no ageing, no in-flight guesses.
+"""
+from __future__ import annotations
+
+import math
+
+from .types import CostParams, WorkerView
+
+
+def pending_seconds(cost: CostParams, tokens: int, requests: int = 0, scale: float = 1.0) -> float:
+    """Time to prefill `tokens` queued tokens spread over `requests` prompts (0 = unknown)."""
+    if not cost.prefill_tokens_per_s > 0.0:
+        return math.inf  # unusable speed (the cost model marks such a worker ineligible)
+    if tokens <= 0:
+        return requests * cost.prefill_overhead_s * scale if requests > 0 else 0.0
+    t = tokens / cost.prefill_tokens_per_s
+    if requests > 0:
+        t += requests * cost.prefill_overhead_s + cost.prefill_attn_s_per_token2 * tokens * (tokens / requests) * 0.5
+    return t * scale
+
+
+def report_queue_seconds(w: WorkerView, cost: CostParams, scale: float = 1.0) -> float:
+    """The wait the last report implies at the time it was taken."""
+    if w.est_queue_s > 0.0:
+        return w.est_queue_s
+    tokens = w.waiting_prefill_tokens + w.running_prefill_tokens
+    if tokens > 0 or w.waiting_requests > 0:
+        return pending_seconds(cost, tokens, w.waiting_requests, scale)
+    return 0.0
+
+
+def queue_seconds(w: WorkerView, cost: CostParams | None = None, scale: float = 1.0, exact: bool = False) -> float:
+    """Predicted wait before `w` starts a request sent now (the module doc's formula)."""
+    c = cost or w.cost
+    report = w.est_queue_s
+    if report <= 0.0:
+        report = report_queue_seconds(w, c, scale)
+    if exact:
+        return report
+    age = w.report_age_s
+    aged = report - age if age > 0.0 else report
+    if aged < 0.0:
+        aged = 0.0
+    since_tokens = w.inflight_since_report_prefill_tokens
+    if since_tokens is not None:
+        return aged + pending_seconds(c, since_tokens, w.inflight_since_report_requests or 0, scale)
+    tokens = w.inflight_prefill_tokens
+    if tokens > 0:
+        mine = pending_seconds(c, tokens, 0, scale)
+        if mine > aged:
+            return mine
+    return aged
+
+
+def outstanding_requests(w: WorkerView) -> int:
+    """Requests on the worker (waiting + running), the load counts compare."""
+    reported = w.waiting_requests + w.running_requests
+    since = w.inflight_since_report_requests
+    if since is not None:
+        return reported + since
+    return reported if reported > w.inflight_requests else w.inflight_requests
+
+
+def waiting_requests(w: WorkerView) -> int:
+    """Requests waiting on the worker (not started), for its `max_waiting` cap."""
+    since = w.inflight_since_report_requests
+    if since is not None:
+        return w.waiting_requests + since
+    mine = w.inflight_requests - w.running_requests
+    return w.waiting_requests if w.waiting_requests > mine else mine
+
+
+def pending_prefill_tokens(w: WorkerView) -> int:
+    """Prompt tokens queued or being prefilled on the worker."""
+    reported = w.waiting_prefill_tokens + w.running_prefill_tokens
+    since = w.inflight_since_report_prefill_tokens
+    if since is not None:
+        return reported + since
+    return reported if reported > w.inflight_prefill_tokens else w.inflight_prefill_tokens
+
+
+def at_cap(w: WorkerView) -> bool:
+    """True when the worker's waiting queue is full (it would answer 429)."""
+    return w.max_waiting is not None and waiting_requests(w) >= w.max_waiting

@@ -1,0 +1,58 @@
+"""Policies by name: `make_policy(name, **params)` and `POLICY_NAMES`.
+
+Configs and the simulator's `--policies a,b` name policies; a typo must fail at
+start with the valid choices, never route silently with defaults.
+"""
+from __future__ import annotations
+
+import inspect
+
+from .cache_aware import CacheAwarePolicy
+from .dynamo import DynamoPolicy
+from .kv_cost import KVCostPolicy
+from .least_loaded import LeastLoadedPolicy
+from .oracle import OraclePolicy
+from .prefix_hash import PrefixHashPolicy
+from .round_robin import RoundRobinPolicy
+from .types import Policy
+
+_CLASSES: dict[str, type] = {
+    c.name: c
+    for c in (
+        RoundRobinPolicy,
+        LeastLoadedPolicy,
+        PrefixHashPolicy,
+        CacheAwarePolicy,
+        DynamoPolicy,
+        KVCostPolicy,
+        OraclePolicy,
+    )
+}
+
+POLICY_NAMES: tuple[str, ...] = tuple(_CLASSES)
+
+
+def policy_params(name: str) -> dict[str, object]:
+    """A policy's parameters and their defaults."""
+    cls = _policy_class(name)
+    return {p.name: p.default for p in inspect.signature(cls.__init__).parameters.values() if p.kind is p.KEYWORD_ONLY}
+
+
+def _policy_class(name: str) -> type:
+    cls = _CLASSES.get(name) if isinstance(name, str) else None
+    if cls is None:
+        raise ValueError(f"unknown routing policy {name!r}; choose one of: {', '.join(POLICY_NAMES)}")
+    return cls
+
+
+def make_policy(name: str, **params: object) -> Policy:
+    """A fresh policy instance; ValueError on an unknown name, parameter or bad value."""
+    cls = _policy_class(name)
+    known = policy_params(name)
+    unknown = sorted(set(params) - set(known))
+    if unknown:
+        raise ValueError(
+            f"unknown parameter(s) {', '.join(map(repr, unknown))} for policy {name!r}; "
+            f"valid: {', '.join(known) or '(none)'}"
+        )
+    return cls(**params)

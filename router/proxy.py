@@ -1,0 +1,114 @@
+"""The upstream side of a request: one POST to a worker's /v1/completions, read as SSE.
+
+The router always asks for a stream (with usage) even when its client did not: the
+first chunk is the measured TTFT, a worker that dies before it can be replaced by the
+next-best one, and the usage chunk carries the `kv` report calibration needs.
+
+Failure classes (`UpstreamError`):
+- before the first chunk (connect refused/reset, timeout, 5xx, 429, 503): retryable
+  on another worker; a refused connection also marks the worker dead (`fatal`);
+- a 4xx other than 429: the request itself is wrong for this worker (too long for
+  its context): not retried, relayed to the client as a 4xx;
+- after the first chunk: not retryable; the client gets an explicit error.
+Reading stops as soon as the consumer stops (closing the response closes the
+connection, which cancels the request on the worker).
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import aiohttp
+
+from .errors import ApiError
+from .schema import api_error_from_upstream
+
+_DONE = b"[DONE]"
+_MAX_EVENT = 8 << 20
+_JSON = {"content-type": "application/json", "accept": "text/event-stream"}
+
+
+@dataclass(slots=True)
+class UpstreamError(Exception):
+    message: str
+    retryable: bool
+    fatal: bool = False  # the worker is gone (connection refused): take it out now
+    api_error: ApiError | None = None  # what the client should see if not retried
+    phase: str = "connect"
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class UpstreamStream:
+    """An open upstream SSE response; iterate `events()` for each `data:` payload."""
+
+    __slots__ = ("resp", "worker_id")
+
+    def __init__(self, resp: aiohttp.ClientResponse, worker_id: str) -> None:
+        self.resp = resp
+        self.worker_id = worker_id
+
+    async def batches(self) -> AsyncIterator[list[bytes]]:
+        """The `data:` payloads of the SSE events, grouped per network read.
+
+        Everything already buffered is taken at once, so under load (many events
+        queued) one wakeup handles them all and the client gets one write, not one
+        per token. Ends at `[DONE]`; an upstream that closes before it is an error.
+        """
+        content = self.resp.content
+        rest = b""
+        try:
+            while True:
+                data = await content.readany()
+                if not data:
+                    raise UpstreamError(
+                        f"worker {self.worker_id} closed the stream before [DONE]", False, phase="stream"
+                    )
+                buf = rest + data if rest else data
+                if len(buf) > _MAX_EVENT:
+                    raise UpstreamError(f"worker {self.worker_id} sent an oversized event", False, phase="stream")
+                *events, rest = buf.split(b"\n\n")
+                out = []
+                for ev in events:
+                    for line in ev.split(b"\n"):
+                        if not line.startswith(b"data:"):
+                            continue  # comments, event:/id: fields
+                        payload = line[5:].strip()
+                        if payload == _DONE:
+                            if out:
+                                yield out
+                            return
+                        out.append(payload)
+                if out:
+                    yield out
+        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
+            raise UpstreamError(f"worker {self.worker_id} stream failed: {type(e).__name__}: {e}", False, phase="stream") from None
+
+    def close(self) -> None:
+        self.resp.close()
+
+
+async def open_stream(
+    session: aiohttp.ClientSession, url: str, payload: bytes, worker_id: str, timeout: aiohttp.ClientTimeout
+) -> UpstreamStream:
+    """POST and check the status; the body is not read yet."""
+    try:
+        resp = await session.post(url, data=payload, headers=_JSON, timeout=timeout)
+    except aiohttp.ClientConnectorError as e:
+        refused = isinstance(e.os_error, ConnectionRefusedError) or "refused" in str(e).lower()
+        raise UpstreamError(f"worker {worker_id} unreachable: {e}", True, fatal=refused) from None
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+        raise UpstreamError(f"worker {worker_id} failed: {type(e).__name__}: {e}", True) from None
+    if resp.status == 200:
+        return UpstreamStream(resp, worker_id)
+    try:
+        body = await resp.read()
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        body = b""
+    finally:
+        resp.release()
+    err = api_error_from_upstream(resp.status, body, worker_id)
+    retryable = resp.status in (408, 429, 503) or resp.status >= 500
+    raise UpstreamError(err.message, retryable, api_error=err, phase="status")

@@ -1,0 +1,134 @@
+"""OpenAI response objects, built from the worker's completion chunks.
+
+Workers always answer as `/v1/completions` (the router sends token ids); chat clients
+get `chat.completion` / `chat.completion.chunk` objects re-shaped from those chunks,
+completion clients get `text_completion` objects under their own id and model name.
+Structs + one msgspec encoder: a chunk costs a few microseconds.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+_enc = msgspec.json.Encoder()
+_CHAT = "chat.completion.chunk"
+_COMP = "text_completion"
+
+
+class Delta(msgspec.Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(msgspec.Struct):
+    index: int
+    delta: Delta
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class ChatChunk(msgspec.Struct, omit_defaults=True):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: dict[str, Any] | None = None
+
+
+class CompChunkChoice(msgspec.Struct):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class CompChunk(msgspec.Struct, omit_defaults=True):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[CompChunkChoice]
+    usage: dict[str, Any] | None = None
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + _enc.encode(obj) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse_error(message: str, type_: str, code: str | None, request_id: str) -> bytes:
+    return sse({"error": {"message": message, "type": type_, "param": None, "code": code, "request_id": request_id}})
+
+
+def chat_first_chunk(rid: str, created: int, model: str) -> bytes:
+    return sse(ChatChunk(rid, _CHAT, created, model, [ChatChunkChoice(0, Delta(role="assistant", content=""), None)]))
+
+
+def chat_chunk(rid: str, created: int, model: str, text: str, finish: str | None) -> bytes:
+    return sse(ChatChunk(rid, _CHAT, created, model, [ChatChunkChoice(0, Delta(content=text), finish)]))
+
+
+def comp_chunk(rid: str, created: int, model: str, text: str, finish: str | None) -> bytes:
+    return sse(CompChunk(rid, _COMP, created, model, [CompChunkChoice(0, text, finish)]))
+
+
+def usage_chunk(chat: bool, rid: str, created: int, model: str, usage: dict[str, Any]) -> bytes:
+    if chat:
+        return sse(ChatChunk(rid, _CHAT, created, model, [], usage=usage))
+    return sse(CompChunk(rid, _COMP, created, model, [], usage=usage))
+
+
+def chat_response(rid: str, created: int, model: str, text: str, finish: str | None, usage: dict[str, Any]) -> bytes:
+    return _enc.encode(
+        {
+            "id": rid,
+            "object": "chat.completion",
+            "created": created,
+            "model": model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": finish or "stop",
+                    "logprobs": None,
+                }
+            ],
+            "usage": usage,
+        }
+    )
+
+
+def comp_response(rid: str, created: int, model: str, text: str, finish: str | None, usage: dict[str, Any]) -> bytes:
+    return _enc.encode(
+        {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "choices": [{"index": 0, "text": text, "finish_reason": finish or "stop", "logprobs": None}],
+            "usage": usage,
+        }
+    )
+
+
+def client_usage(up: dict[str, Any] | None, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    """The usage the client sees: the worker's (with `kv`), or the router's own count."""
+    if up is None:
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        }
+    u = dict(up)
+    u.setdefault("prompt_tokens", prompt_tokens)
+    u.setdefault("completion_tokens", completion_tokens)
+    u.setdefault("total_tokens", u["prompt_tokens"] + u["completion_tokens"])
+    d = u.get("prompt_tokens_details")
+    if not isinstance(d, dict) or "cached_tokens" not in d:
+        u["prompt_tokens_details"] = {"cached_tokens": 0}
+    return u

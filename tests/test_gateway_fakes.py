@@ -1,0 +1,196 @@
+"""A scriptable fake worker (docs/wire.md surface) for failure injection in gateway tests.
+
+The simulated fleet (workers/) is what the behaviour tests run against; this fake exists
+for what a healthy simulator never does on cue: refuse, 500, die mid-stream, report a
+foreign namespace, stall. It is served by uvicorn on a free 127.0.0.1 port in the
+test's own loop. The module also checks itself (one test at the bottom).
+"""
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import uvicorn
+
+_enc = msgspec.json.Encoder()
+
+
+@dataclass
+class FakeWorker:
+    worker_id: str
+    namespace_digest: str
+    block_size: int = 16
+    block_bytes: int = 2097152
+    capabilities: tuple[str, ...] = ("prefetch", "purge")
+    fail_status: int | None = None  # answer completions with this status
+    die_after_chunks: int | None = None  # close the connection after N chunks
+    first_delay_s: float = 0.0
+    token_delay_s: float = 0.0
+    load: dict[str, Any] = field(default_factory=dict)
+    completions: list[dict[str, Any]] = field(default_factory=list)
+    prefetches: list[dict[str, Any]] = field(default_factory=list)
+    deleted_prefetches: list[str] = field(default_factory=list)
+    purges: list[dict[str, Any]] = field(default_factory=list)
+    cancelled: int = 0
+    health_status: int = 200
+    port: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "worker_id": self.worker_id,
+            "kind": "kvroute",
+            "engine": "fake",
+            "model": "fake-model",
+            "namespace_digest": self.namespace_digest,
+            "block_size": self.block_size,
+            "block_bytes": self.block_bytes,
+            "max_context_tokens": 131072,
+            "events": None,
+            "remote_group": None,
+            "capabilities": list(self.capabilities),
+        }
+
+    def load_report(self) -> dict[str, Any]:
+        base = {
+            "worker_id": self.worker_id,
+            "ts": 0.0,
+            "waiting_requests": 0,
+            "waiting_prefill_tokens": 0,
+            "running_requests": 0,
+            "running_prefill_tokens": 0,
+            "est_queue_s": 0.0,
+            "blocks": {"GPU": {"used": 0, "free": 1000, "capacity": 1000}},
+            "speeds": {"prefill_tokens_per_s": 35000.0, "prefill_attn_s_per_token2": 1e-9,
+                       "prefill_overhead_s": 0.003, "decode_step_s": 0.006},
+            "tiers": {"CPU": {"read_Bps": 5e10, "latency_s": 1e-5}},
+            "prefetch_queue": 0,
+            "max_waiting": 256,
+        }
+        base.update(self.load)
+        return base
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        path, method = scope["path"], scope["method"]
+        body = b""
+        while True:
+            m = await receive()
+            body += m.get("body", b"")
+            if not m.get("more_body"):
+                break
+
+        async def reply(status: int, obj: Any) -> None:
+            await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json")]})
+            await send({"type": "http.response.body", "body": _enc.encode(obj)})
+
+        if path == "/health":
+            await reply(self.health_status, {"status": "ok"})
+        elif path == "/info":
+            await reply(200, self.info())
+        elif path == "/load":
+            await reply(200, self.load_report())
+        elif path == "/metrics":  # as vLLM exports it
+            lr = self.load_report()
+            text = (f'vllm:num_requests_waiting{{model_name="m"}} {lr["waiting_requests"]}\n'
+                    f'vllm:num_requests_running{{model_name="m"}} {lr["running_requests"]}\n'
+                    'vllm:kv_cache_usage_perc{model_name="m"} 0.5\n')
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+            await send({"type": "http.response.body", "body": text.encode()})
+        elif path == "/kv/prefetch" and method == "POST":
+            d = msgspec.json.decode(body)
+            self.prefetches.append(d)
+            await reply(202, {"prefetch_id": d["prefetch_id"], "accepted_blocks": 1, "queued": True})
+        elif path.startswith("/kv/prefetch/") and method == "DELETE":
+            self.deleted_prefetches.append(path.rsplit("/", 1)[1])
+            await reply(200, {})
+        elif path == "/kv/purge":
+            self.purges.append(msgspec.json.decode(body))
+            await reply(200, {"purged_blocks": 3})
+        elif path == "/v1/completions":
+            await self._complete(msgspec.json.decode(body), reply, send, receive)
+        else:
+            await reply(404, {"error": {"message": "no", "type": "x", "param": None, "code": None}})
+
+    async def _complete(self, req: dict[str, Any], reply: Any, send: Any, receive: Any) -> None:
+        self.completions.append(req)
+        if self.fail_status is not None:
+            await reply(self.fail_status, {"error": {"message": f"injected {self.fail_status}", "type": "x", "param": None, "code": None}})
+            return
+        n = int(req.get("max_tokens", 4))
+        prompt = req["prompt"]
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        me = asyncio.current_task()
+
+        async def watch() -> None:  # as a real worker does: the client leaving cancels the request
+            while True:
+                if (await receive())["type"] == "http.disconnect":
+                    if me is not None:
+                        me.cancel()
+                    return
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            await asyncio.sleep(self.first_delay_s)
+            for i in range(n):
+                if self.die_after_chunks is not None and i >= self.die_after_chunks:
+                    raise ConnectionResetError("injected death")
+                chunk = {"id": "x", "object": "text_completion", "created": 0, "model": "fake-model",
+                         "choices": [{"index": 0, "text": f"t{i} ", "finish_reason": "length" if i == n - 1 else None,
+                                      "logprobs": None}]}
+                await send({"type": "http.response.body", "body": b"data: " + _enc.encode(chunk) + b"\n\n", "more_body": True})
+                if self.token_delay_s:
+                    await asyncio.sleep(self.token_delay_s)
+            usage = {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n,
+                     "prompt_tokens_details": {"cached_tokens": 0},
+                     "kv": {"loaded_tokens": {"GPU": 0, "CPU": 0, "DISK": 0, "REMOTE": 0, "PEER": 0},
+                            "recomputed_tokens": len(prompt), "prefetched_tokens": 0, "queue_ms": 0.0, "load_ms": 0.0,
+                            "prefill_ms": 1.0, "ttft_ms": 1.0, "decode_ms": 1.0}}
+            final = {"id": "x", "object": "text_completion", "created": 0, "model": "fake-model", "choices": [], "usage": usage}
+            await send({"type": "http.response.body", "body": b"data: " + _enc.encode(final) + b"\n\ndata: [DONE]\n\n", "more_body": False})
+        except asyncio.CancelledError:
+            self.cancelled += 1
+        finally:
+            watcher.cancel()
+
+
+@asynccontextmanager
+async def serve_fake(worker: FakeWorker) -> AsyncIterator[FakeWorker]:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.bind(("127.0.0.1", 0))
+    worker.port = sock.getsockname()[1]
+    cfg = uvicorn.Config(worker, loop="none", lifespan="off", access_log=False, log_level="critical")
+    server = uvicorn.Server(cfg)
+    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+    task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        await asyncio.sleep(0.005)
+    try:
+        yield worker
+    finally:
+        server.should_exit = True
+        server.force_exit = True
+        try:
+            await asyncio.wait_for(task, 5)
+        except (asyncio.TimeoutError, Exception):
+            task.cancel()
+        sock.close()
+
+
+async def test_fake_worker_streams() -> None:
+    import aiohttp
+
+    async with serve_fake(FakeWorker("f0", "00" * 32)) as fw, aiohttp.ClientSession() as s:
+        async with s.post(fw.url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 3}) as r:
+            text = (await r.read()).decode()
+    assert text.count("data: ") == 5 and text.endswith("data: [DONE]\n\n")

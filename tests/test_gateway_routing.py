@@ -1,0 +1,274 @@
+"""Routing decisions seen from the wire, with fake workers whose index state the test sets:
+prefetch of CPU/DISK blocks (keys, deadline, not for vLLM workers), prefetch cancel on
+reroute, explain, queue-vs-recompute, in-flight accounting, metrics."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+from array import array
+from typing import Any
+
+import aiohttp
+from test_gateway_errors import DIGEST, MODEL, _cfg, client, fleet
+from test_gateway_fakes import FakeWorker
+
+from kvindex.events import BlockStored
+from kvindex.keys import digest64
+from router.config import WorkerConfig
+
+PROMPT = list(range(100, 100 + 16 * 20 + 5))  # 20 full blocks + 5 tokens
+
+
+def _store(gw: Any, worker_id: str, tokens: list[int], medium: str, blocks: int) -> list[bytes]:
+    """Make the index believe `worker_id` holds the first `blocks` blocks of `tokens` in `medium`."""
+    rt = gw.models.get(MODEL)
+    keys = rt.hasher.keys(tokens)[:blocks]
+    ev = BlockStored([digest64(k) for k in keys], None, tokens[: 16 * blocks], 16, medium=medium)
+    st = rt.index.apply(worker_id, [ev])
+    assert st.stored == blocks
+    return keys
+
+
+async def _explain(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    async with aiohttp.ClientSession() as s, s.post(url + "/admin/route/explain", json=body) as r:
+        assert r.status == 200, await r.text()
+        return await r.json()
+
+
+async def test_prefetch_sent_for_cpu_blocks_before_forwarding() -> None:
+    a, b = FakeWorker("a", DIGEST), FakeWorker("b", DIGEST)
+    async with fleet([a, b]) as (gw, url):
+        keys = _store(gw, "a", PROMPT, "CPU", 20)
+        ex = await _explain(url, {"model": MODEL, "prompt": PROMPT, "max_tokens": 2})
+        assert ex["decision"]["worker_id"] == "a" and ex["decision"]["prefetch_blocks"] == 20
+        ea = next(w for w in ex["workers"] if w["worker_id"] == "a")
+        assert ea["matched_blocks"] == {"CPU": 20} and ea["recompute_tokens"] == 5 + 0
+        assert not a.prefetches and not a.completions  # explain sends nothing
+        r = await client(url).completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+        assert r.choices[0].text
+        assert len(a.prefetches) == 1 and len(a.completions) == 1 and not b.completions
+        pf = a.prefetches[0]
+        raw = base64.b64decode(pf["keys_b64"])
+        assert raw == b"".join(keys) and pf["deadline_ms"] >= 200
+        assert pf["prefetch_id"] == "p-" + a.completions[0]["kv"]["request_id"]
+        m = gw.metrics
+        assert m.prefetch_sent._value.get() == 1 and m.prefetch_requested_tokens._value.get() == 320
+        assert m.prefetch_wasted_tokens._value.get() == 320  # the fake reports prefetched_tokens=0
+
+
+async def test_no_prefetch_for_gpu_blocks_or_vllm_workers() -> None:
+    a = FakeWorker("a", DIGEST)
+    v = FakeWorker("v", DIGEST)
+    cfg = _cfg()
+    async with fleet([a], cfg) as (gw, url):
+        _store(gw, "a", PROMPT, "GPU", 20)
+        await client(url).completions.create(model=MODEL, prompt=PROMPT, max_tokens=1)
+        assert not a.prefetches and len(a.completions) == 1
+    from test_gateway_fakes import serve_fake
+
+    async with serve_fake(v):
+        cfg = _cfg()
+        cfg.workers = [WorkerConfig(id="v", url=v.url, kind="vllm", model=MODEL)]
+        async with fleet([], cfg) as (gw, url):
+            assert gw.pool.workers["v"].view.supports_prefetch is False
+            _store(gw, "v", PROMPT, "CPU", 20)
+            r = await client(url).completions.create(model=MODEL, prompt=PROMPT, max_tokens=1)
+            assert r.choices[0].text and not v.prefetches
+            assert "kv" not in v.completions[0]  # vLLM gets no kvroute extension
+            assert gw.pool.workers["v"].view.running_requests == 0  # load came from /metrics
+
+
+async def test_prefetch_cancelled_when_rerouted() -> None:
+    a = FakeWorker("a", DIGEST, fail_status=503)
+    b = FakeWorker("b", DIGEST)
+    async with fleet([a, b]) as (gw, url):
+        _store(gw, "a", PROMPT, "CPU", 20)
+        r = await client(url).completions.create(model=MODEL, prompt=PROMPT, max_tokens=1)
+        assert r.choices[0].text and len(b.completions) == 1 and len(a.completions) == 1
+        for _ in range(50):
+            if a.deleted_prefetches:
+                break
+            await asyncio.sleep(0.02)
+        assert a.deleted_prefetches == [a.prefetches[0]["prefetch_id"]]
+        assert gw.metrics.prefetch_cancelled._value.get() == 1
+
+
+async def test_long_queue_loses_to_idle_worker_when_recompute_is_cheaper() -> None:
+    busy = FakeWorker("a", DIGEST, load={"waiting_requests": 40, "waiting_prefill_tokens": 400_000, "est_queue_s": 12.0})
+    idle = FakeWorker("b", DIGEST)
+    async with fleet([busy, idle]) as (gw, url):
+        await asyncio.sleep(0.15)  # a load poll
+        _store(gw, "a", PROMPT, "GPU", 20)
+        ex = await _explain(url, {"model": MODEL, "prompt": PROMPT, "max_tokens": 2})
+        assert ex["decision"]["worker_id"] == "b"
+        ea = next(w for w in ex["workers"] if w["worker_id"] == "a")
+        eb = next(w for w in ex["workers"] if w["worker_id"] == "b")
+        assert ea["matched_blocks"] == {"GPU": 20} and ea["t_queue_s"] > 10
+        assert eb["recompute_tokens"] == len(PROMPT) and eb["t_ttft_s"] < ea["t_ttft_s"]
+        await client(url).completions.create(model=MODEL, prompt=PROMPT, max_tokens=1)
+        assert len(idle.completions) == 1 and not busy.completions
+        # ... and with an idle queue the holder wins
+        busy.load = {}
+        await asyncio.sleep(0.15)
+        ex = await _explain(url, {"model": MODEL, "prompt": PROMPT, "max_tokens": 2})
+        assert ex["decision"]["worker_id"] == "a"
+
+
+async def test_inflight_accounting_and_metrics() -> None:
+    slow = FakeWorker("a", DIGEST, first_delay_s=0.3)
+    async with fleet([slow]) as (gw, url):
+        w = gw.pool.workers["a"]
+        c = client(url)
+        t = asyncio.ensure_future(c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1))
+        await asyncio.sleep(0.15)
+        assert w.view.inflight_requests == 1 and w.view.inflight_prefill_tokens == len(PROMPT)
+        await t
+        assert w.view.inflight_requests == 0 and w.view.inflight_prefill_tokens == 0 and not w.inflight
+        async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
+            text = await r.text()
+        assert 'kvroute_requests_total{model="test-model",route="/v1/completions",status="200"} 1.0' in text
+        for name in ("kvroute_ttft_seconds_bucket", "kvroute_decision_seconds_bucket", "kvroute_worker_healthy{",
+                     "kvroute_index_blocks{", "kvroute_ttft_actual_over_predicted_bucket", "kvroute_route_choices_total"):
+            assert name in text, name
+        ok = [ln for ln in text.splitlines() if ln.startswith("kvroute_worker_healthy{")]
+        assert ok and ok[0].endswith(" 1.0")
+
+
+async def test_admin_workers_drain_remove_add() -> None:
+    a, b = FakeWorker("a", DIGEST), FakeWorker("b", DIGEST)
+    async with fleet([a]) as (gw, url):
+        from test_gateway_fakes import serve_fake
+
+        async with serve_fake(b), aiohttp.ClientSession() as s:
+            async with s.post(url + "/admin/workers", json={"id": "b", "url": b.url}) as r:
+                assert r.status == 201
+            async with s.post(url + "/admin/workers", json={"id": "b", "url": b.url}) as r:
+                assert r.status == 409
+            async with s.post(url + "/admin/workers", json={"id": "c", "url": "nope"}) as r:
+                assert r.status == 400 and "url" in (await r.json())["error"]["message"]
+            for _ in range(100):
+                if len(gw.pool.routable(MODEL)) == 2:
+                    break
+                await asyncio.sleep(0.02)
+            async with s.post(url + "/admin/workers/a/drain") as r:
+                assert (await r.json())["state"] == "draining"
+            c = client(url)
+            for _ in range(3):
+                await c.completions.create(model=MODEL, prompt="hello", max_tokens=1)
+            assert len(b.completions) == 3 and not a.completions
+            async with s.delete(url + "/admin/workers/a") as r:
+                assert r.status == 200
+            async with s.delete(url + "/admin/workers/a") as r:
+                assert r.status == 404
+            async with s.get(url + "/admin/workers") as r:
+                assert [w["id"] for w in (await r.json())["workers"]] == ["b"]
+            async with s.get(url + "/admin/index") as r:
+                assert MODEL in await r.json()
+
+
+async def test_namespace_and_block_size_mismatch_refused() -> None:
+    wrong_ns = FakeWorker("x", "ab" * 32)
+    wrong_bs = FakeWorker("y", DIGEST, block_size=24)
+    good = FakeWorker("g", DIGEST)
+    async with fleet([good, wrong_ns, wrong_bs]) as (gw, url):
+        for _ in range(50):
+            if gw.pool.workers["x"].state.value == "refused" and gw.pool.workers["y"].state.value == "refused":
+                break
+            await asyncio.sleep(0.02)
+        assert "namespace digest" in gw.pool.workers["x"].reason
+        assert "not a multiple" in gw.pool.workers["y"].reason
+        assert gw.pool.routable(MODEL) == [gw.pool.workers["g"]]
+        assert gw.metrics.worker_refused.labels("x", "namespace_mismatch")._value.get() == 1
+        for _ in range(3):
+            r = await client(url).completions.create(model=MODEL, prompt="hello", max_tokens=1)
+            assert r.choices[0].text
+        assert not wrong_ns.completions and not wrong_bs.completions
+
+
+async def test_dead_worker_leaves_index_and_returns() -> None:
+    a = FakeWorker("a", DIGEST)
+    async with fleet([a, FakeWorker("b", DIGEST)]) as (gw, url):
+        rt = gw.models.get(MODEL)
+        _store(gw, "a", PROMPT, "GPU", 4)
+        assert rt.index.has_worker("a")
+        a.health_status = 500
+        for _ in range(100):
+            if gw.pool.workers["a"].state.value == "unhealthy":
+                break
+            await asyncio.sleep(0.02)
+        assert gw.pool.workers["a"].state.value == "unhealthy" and not rt.index.has_worker("a")
+        a.health_status = 200
+        for _ in range(100):
+            if gw.pool.workers["a"].state.value == "healthy":
+                break
+            await asyncio.sleep(0.02)
+        assert gw.pool.workers["a"].state.value == "healthy" and rt.index.has_worker("a")
+        assert not rt.index.match([digest64(k) for k in rt.hasher.keys(PROMPT)[:4]])  # old entries gone
+
+
+async def test_prefetch_cancelled_when_client_leaves_before_first_token() -> None:
+    slow = FakeWorker("a", DIGEST, first_delay_s=1.0)
+    async with fleet([slow]) as (gw, url):
+        _store(gw, "a", PROMPT, "CPU", 20)
+        async with aiohttp.ClientSession() as s:
+            t = asyncio.ensure_future(s.post(url + "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "stream": True}))
+            await asyncio.sleep(0.3)
+            t.cancel()
+        for _ in range(100):
+            if slow.deleted_prefetches:
+                break
+            await asyncio.sleep(0.02)
+        assert len(slow.prefetches) == 1 and slow.deleted_prefetches == [slow.prefetches[0]["prefetch_id"]]
+        assert not gw.pool.workers["a"].inflight
+
+
+async def test_vllm_worker_events_in_bind_mode() -> None:
+    """A vLLM worker publishing to tcp://127.0.0.1:P connects: the gateway binds, and the
+    blocks it reports (its own engine hashes, block size 32) become routable matches."""
+    import socket
+
+    import zmq
+    import zmq.asyncio
+
+    from kvindex.events import EventEncoder, seq_to_bytes
+    from test_gateway_fakes import serve_fake
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    v, other = FakeWorker("v", DIGEST), FakeWorker("o", DIGEST)
+    async with serve_fake(v), serve_fake(other):
+        cfg = _cfg(tenants=[{"id": "t", "api_keys": ["sk-tenant-t-0001"], "salt": "T"}])
+        cfg.workers = [WorkerConfig(id="v", url=v.url, kind="vllm", model=MODEL, block_size=32,
+                                    events={"endpoint": f"tcp://127.0.0.1:{port}", "bind": True}),
+                       WorkerConfig(id="o", url=other.url, model=MODEL)]
+        async with fleet([], cfg) as (gw, url):
+            for _ in range(100):
+                if len(gw.pool.routable(MODEL)) == 2:
+                    break
+                await asyncio.sleep(0.02)
+            rt = gw.models.get(MODEL)
+            plan = rt.key_plan(array("I", PROMPT), gw.tenancy.tenants["t"].salt, None)
+            ctx = zmq.asyncio.Context()
+            pub = ctx.socket(zmq.PUB)
+            pub.connect(f"tcp://127.0.0.1:{port}")
+            await asyncio.sleep(0.3)  # the subscription reaches the publisher
+            # vLLM: its own hashes, 32-token blocks, cache_salt as the first block's extra key
+            n = 10
+            ev = BlockStored(list(range(7001, 7001 + n)), None, PROMPT[: 32 * n], 32, medium="GPU",
+                             extra_keys=[(plan.wire_salt,)] + [None] * (n - 1))
+            await pub.send_multipart([b"kv", seq_to_bytes(0), EventEncoder().encode(time.time(), [ev])])
+            for _ in range(100):
+                m = rt.index.match(plan.digests, ["v"])
+                if m:
+                    break
+                await asyncio.sleep(0.02)
+            assert m["v"].blocks == 2 * n  # each 32-token engine block = two index blocks
+            c = client(url, "sk-tenant-t-0001")
+            await c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1)
+            assert len(v.completions) == 1 and not other.completions
+            assert v.completions[0]["cache_salt"] == plan.wire_salt and "kv" not in v.completions[0]
+            pub.close(0)
+            ctx.term()

@@ -1,0 +1,394 @@
+"""PrefixIndex: lifecycle, tiers, remote groups, and a brute-force reference model."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch
+from kvindex.index import IndexError_, PrefixIndex, PrefixMatch
+from kvindex.keys import BlockHasher, Namespace, digests64
+from kvindex.tiers import Tier
+
+BS = 4
+NS = Namespace("m", block_size=BS)
+HASHER = BlockHasher.for_namespace(NS)
+M64 = (1 << 64) - 1
+
+
+def toks(seed: int, n_blocks: int) -> list[int]:
+    return [(seed * 1_000 + i) % 60_000 for i in range(n_blocks * BS)]
+
+
+def ours(tokens: list[int], lo: int, hi: int, medium: str | None = "GPU", parent_ok: bool = True) -> BlockStored:
+    """What our workers publish: digests as hashes, our digest as parent."""
+    ds = digests64(HASHER.keys(tokens[: hi * BS]))
+    parent = ds[lo - 1] if lo and parent_ok else (None if not lo else 12345)
+    return BlockStored(ds[lo:hi], parent, tokens[lo * BS : hi * BS], BS, None, medium, None)
+
+
+def test_registration_rules():
+    idx = PrefixIndex(16, max_workers=2)
+    with pytest.raises(IndexError_, match="multiple of 16"):
+        idx.add_worker("a", NS.digest, block_size=24)
+    idx.add_worker("a", NS.digest, block_size=32)
+    with pytest.raises(IndexError_, match="already registered"):
+        idx.add_worker("a", NS.digest)
+    idx.add_worker("b", NS.digest)
+    with pytest.raises(IndexError_, match="full"):
+        idx.add_worker("c", NS.digest)
+    with pytest.raises(IndexError_, match="unknown worker"):
+        idx.apply("zz", [])
+    with pytest.raises(IndexError_, match="32 bytes"):
+        PrefixIndex(16).add_worker("x", b"short")
+    idx.remove_worker("b")
+    idx.add_worker("c", NS.digest)  # the slot came back
+    assert sorted(idx.workers()) == ["a", "c"]
+
+
+def test_tiers_groups_draining_and_filters():
+    t = toks(1, 8)
+    ds = digests64(HASHER.keys(t))
+    idx = PrefixIndex(BS, max_workers=8)
+    for w, g in (("a", None), ("b", "rg"), ("c", "rg")):
+        idx.add_worker(w, NS.digest, BS, g)
+    idx.apply("a", [ours(t, 0, 3, "GPU"), ours(t, 3, 5, "CPU"), ours(t, 5, 8, "DISK")])
+    idx.apply("a", [ours(t, 1, 2, "CPU")])  # also in CPU: GPU stays its fastest tier
+    idx.apply("b", [ours(t, 0, 6, "REMOTE"), ours(t, 0, 2, "GPU")])
+    m = idx.match(ds)
+    assert m["a"] == PrefixMatch("a", 8, ((Tier.GPU, 3), (Tier.CPU, 2), (Tier.DISK, 3)))
+    assert m["b"].runs == ((Tier.GPU, 2), (Tier.REMOTE, 4))
+    assert m["c"].runs == ((Tier.REMOTE, 6),)  # stored by b, reachable by every member
+    assert m["a"].per_tier() == {Tier.GPU: 3, Tier.CPU: 2, Tier.DISK: 3}
+    assert idx.holders(ds[0]) == {"a": [Tier.GPU], "b": [Tier.GPU, Tier.REMOTE], "c": [Tier.REMOTE]}
+    assert set(idx.match(ds, workers=["c", "nobody"])) == {"c"}
+    idx.set_draining("a")
+    assert "a" not in idx.match(ds) and "a" in idx.match(ds, include_draining=True)
+    idx.set_draining("a", False)
+    # c removes the group's remote copy of block 2: every member loses it
+    idx.apply("c", [BlockRemoved([ds[2]], "REMOTE")])
+    m = idx.match(ds)
+    assert m["b"].blocks == 2 and m["c"].blocks == 2 and m["a"].blocks == 8
+    # removing b keeps the group's remote blocks for c
+    idx.remove_worker("b")
+    assert idx.match(ds)["c"].blocks == 2
+    stats = {s.worker_id: s for s in idx.worker_stats()}
+    assert stats["a"].blocks == {"GPU": 3, "CPU": 3, "DISK": 3, "REMOTE": 0}
+    assert stats["c"].blocks["REMOTE"] == 5
+    assert idx.entries() == 9 + 5
+    assert idx.match([]) == {}
+    assert idx.match([ds[5]]) == {
+        "a": PrefixMatch("a", 1, ((Tier.DISK, 1),)),
+        "c": PrefixMatch("c", 1, ((Tier.REMOTE, 1),)),
+    }
+
+
+def test_events_edge_cases_are_counted_never_raised():
+    t = toks(2, 4)
+    ds = digests64(HASHER.keys(t))
+    idx = PrefixIndex(BS, max_workers=4)
+    idx.add_worker("a", NS.digest, BS)
+    st = idx.apply(
+        "a",
+        DecodedBatch(
+            0.0,
+            [
+                ours(t, 0, 2, "tape"),  # unknown medium: counted, stored as DISK (never as GPU)
+                ours(t, 2, 4, parent_ok=False),  # parent unknown: orphans
+                BlockRemoved([ds[3], 777], "GPU"),  # never stored here
+                BlockStored([1], None, [1, 2], BS, None, "GPU", None),  # too few tokens
+                BlockStored([1], None, [-1, 2, 3, 4], BS, None, "GPU", None),  # not a u32 token
+                BlockStored([1], None, t[:BS], 6, None, "GPU", None),  # block size not a multiple
+                BlockStored([1], None, t[:BS], BS, None, "GPU", None, [("x",), ("y",)]),  # extra_keys length
+                BlockStored([1], None, t[:BS], BS, None, "GPU", None, group_idx=1),  # another KV group
+                "not an event",  # type: ignore[list-item]
+                BlockStored([1], None, None, BS, None, "GPU", None),  # type: ignore[arg-type]
+                BlockRemoved(None, "GPU"),  # type: ignore[arg-type]
+            ],
+            errors=["event 11: bad"],
+        ),
+    )
+    assert (st.stored, st.orphans, st.unknown_removed, st.unknown_medium) == (2, 2, 2, 1)
+    assert (st.bad_events, st.ignored) == (8, 1)
+    assert idx.match(ds)["a"].runs == ((Tier.DISK, 2),)
+
+
+def test_clears_retire_slots_and_sweeps_reclaim_them():
+    idx = PrefixIndex(BS, max_workers=3)
+    idx.add_worker("a", NS.digest, BS)
+    idx.add_worker("b", NS.digest, BS)
+    shared = toks(3, 6)
+    ds = digests64(HASHER.keys(shared))
+    for round_ in range(20):  # far more clears than slots: sweeps must hand slots back
+        idx.apply("a", [ours(shared, 0, 6)])
+        idx.apply("b", [ours(shared, 0, 3)])
+        assert idx.match(ds)["a"].blocks == 6 and idx.match(ds)["b"].blocks == 3
+        idx.apply("a", [AllBlocksCleared()])
+        assert "a" not in idx.match(ds)
+        if round_ % 3 == 0:
+            idx.clear_worker("b")
+    assert idx.sweeps > 0
+    assert idx.sweep() and idx.sweep(10)
+    assert len(idx) == (3 if idx.match(ds).get("b") else 0)
+
+
+def test_direct_store_and_remove():
+    idx = PrefixIndex(BS, max_workers=4)
+    idx.add_worker("a", NS.digest, BS, "g")
+    keys = HASHER.keys(toks(4, 5))
+    ds = digests64(keys)
+    assert idx.store_keys("a", keys, Tier.CPU) == 5
+    assert idx.store_keys("a", keys[:2], Tier.CPU) == 0
+    assert idx.store_keys("a", keys[:2], Tier.REMOTE) == 2
+    assert idx.remove_digests("a", ds[1:3], Tier.CPU) == 2
+    assert idx.match(ds)["a"].runs == ((Tier.CPU, 1), (Tier.REMOTE, 1))
+    with pytest.raises(ValueError):
+        idx.store_keys("a", [b"x"], Tier.GPU)
+    with pytest.raises(ValueError):
+        idx.store_keys("a", keys, Tier.PEER)
+    # a child stored by an engine event chains off the directly stored parent
+    t = toks(4, 6)
+    ev = BlockStored([ds[4] ^ 1], ds[4], t[5 * BS : 6 * BS], BS, None, "GPU", None)
+    assert idx.apply("a", [ev]).stored == 1
+    assert idx.match(digests64(HASHER.keys(t)))["a"].blocks == 2  # blocks 0 (CPU), 1 (REMOTE) then gap
+
+
+def test_vllm_extra_keys_and_lora_match_router_keys():
+    """Keys from vLLM's per-block extra_keys (block size 2x ours) equal the router's."""
+    t = toks(5, 8)
+    scoped = NS.scoped(lora="adapter-a", tenant_salt="tenant-1", cache_salt="req")
+    router_ds = digests64(HASHER.keys_for(t, scoped))
+    salt = scoped.wire_salt
+    idx = PrefixIndex(BS, max_workers=4)
+    idx.add_worker("v", NS.digest, 2 * BS)
+    extra = [("adapter-a", salt), ("adapter-a",), ("adapter-a",), ("adapter-a",)]
+    ev = BlockStored([11, 12, 13, 14], None, t, 2 * BS, None, "GPU", "adapter-a", extra)
+    assert idx.apply("v", [ev]).stored == 4
+    assert idx.match(router_ds)["v"].blocks == 8
+    assert idx.match(digests64(HASHER.keys(t))) == {}  # never mixed with base-model keys
+    # an old release: lora_id only, no extra keys; must not land on base-model keys either
+    idx.add_worker("old", NS.digest, BS)
+    idx.apply("old", [BlockStored([1, 2], None, t[: 2 * BS], BS, 7, "GPU", None)])
+    assert "old" not in idx.match(digests64(HASHER.keys(t)))
+
+
+def test_engine_map_follows_local_copies():
+    """vLLM workers: the engine-hash map lives exactly as long as a local copy does."""
+    t = toks(6, 4)
+    ds = digests64(HASHER.keys(t))
+    idx = PrefixIndex(BS, max_workers=4)
+    idx.add_worker("v", NS.digest, BS, "g")
+    stats = lambda: next(s for s in idx.worker_stats() if s.worker_id == "v")  # noqa: E731
+    idx.apply("v", [BlockStored([1, 2], None, t[: 2 * BS], BS, None, "GPU", None)])
+    idx.apply("v", [BlockStored([1, 2], None, t[: 2 * BS], BS, None, "CPU", None)])  # a copy: no keying
+    assert stats().engine_map == 2 and stats().blocks["CPU"] == 2
+    idx.apply("v", [BlockRemoved([1, 2], "GPU")])
+    assert stats().engine_map == 2  # still in CPU
+    idx.apply("v", [BlockRemoved([1, 2], "CPU")])
+    assert stats().engine_map == 0 and len(idx) == 0
+    assert idx.apply("v", [BlockRemoved([1], "CPU")]).unknown_removed == 1
+    # REMOTE-only: the map entry outlives the remote copy; a later store must still key it
+    idx.apply("v", [BlockStored([1, 2], None, t[: 2 * BS], BS, None, "REMOTE", None)])
+    idx.apply("v", [BlockRemoved([1, 2], "REMOTE")])
+    assert len(idx) == 0
+    idx.apply("v", [BlockStored([1, 2], None, t[: 2 * BS], BS, None, "GPU", None)])
+    assert idx.match(ds)["v"].runs == ((Tier.GPU, 2),)
+
+
+# ----------------------------------------------------------------------------- reference model
+
+PROMPTS = {
+    # 0 and 1 share their first 3 blocks; 2 carries a LoRA and a salt
+    0: (toks(10, 8), None),
+    1: (toks(10, 3) + toks(11, 5), None),
+    2: (toks(12, 8), NS.scoped(lora="L", cache_salt="s")),
+}
+ROUTER_DS = {p: digests64(HASHER.keys_for(t, sc or NS)) for p, (t, sc) in PROMPTS.items()}
+# worker id -> (kind, engine block size in index blocks, remote group)
+WORKERS = {"v0": ("vllm", 1, "g0"), "v1": ("vllm", 2, "g0"), "o0": ("ours", 1, None), "o1": ("ours", 1, "g1")}
+MEDIUMS = ["GPU", "CPU", "DISK", "REMOTE", "tape"]
+TIER_OF = {"GPU": 0, "CPU": 1, "DISK": 2, "REMOTE": 3, "tape": 2}
+
+
+def engine_hash(p: int, j: int, k: int) -> int:
+    """A vLLM-like engine hash: content-defined (shared prefixes share it), not our digest."""
+    return (ROUTER_DS[p][(j + 1) * k - 1] ^ (0x9E3779B97F4A7C15 * k)) & M64
+
+
+def engine_extras(p: int, lo: int, hi: int, k: int) -> tuple[list | None, str | None]:
+    sc = PROMPTS[p][1]
+    if sc is None:
+        return None, None
+    per_block = sc.extra_keys(len(ROUTER_DS[p]))
+    assert per_block is not None
+    return [per_block[j * k] for j in range(lo, hi)], sc.lora
+
+
+@dataclass
+class NaiveWorker:
+    kind: str
+    k: int
+    group: str
+    local: dict[int, set[int]] = field(default_factory=lambda: {0: set(), 1: set(), 2: set()})
+    emap: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    draining: bool = False
+
+
+class Naive:
+    def __init__(self) -> None:
+        self.workers: dict[str, NaiveWorker] = {}
+        self.remote: dict[str, set[int]] = {}
+
+    def live(self, d: int) -> bool:
+        return any(d in s for w in self.workers.values() for s in w.local.values()) or any(
+            d in r for r in self.remote.values()
+        )
+
+    def store(self, wid: str, p: int, lo: int, hi: int, medium: str) -> None:
+        w = self.workers[wid]
+        k, t = w.k, TIER_OF[medium]
+        ds = ROUTER_DS[p]
+        blocks = [tuple(ds[j * k : (j + 1) * k]) for j in range(lo, hi)]
+        target = self.remote.setdefault(w.group, set()) if t == 3 else w.local[t]
+        flat = [d for b in blocks for d in b]
+        if w.kind == "vllm":
+            hs = [engine_hash(p, j, k) for j in range(lo, hi)]
+            known = all(h in w.emap for h in hs) and all(self.live(d) for d in flat)
+        else:
+            known = all(
+                any(d in s for s in w.local.values()) or d in self.remote.get(w.group, set()) for d in flat
+            )
+        if not known:
+            if lo:
+                if w.kind == "vllm":
+                    ph = engine_hash(p, lo - 1, k)
+                    pd = w.emap[ph][-1] if ph in w.emap else None
+                else:
+                    pd = ds[lo * k - 1]
+                if pd is None or not self.live(pd):
+                    return  # orphans
+            if w.kind == "vllm":
+                for j, b in zip(range(lo, hi), blocks):
+                    w.emap[engine_hash(p, j, k)] = b
+        target.update(flat)
+
+    def remove(self, wid: str, p: int, lo: int, hi: int, medium: str) -> None:
+        w = self.workers[wid]
+        k, t = w.k, TIER_OF[medium]
+        target = self.remote.setdefault(w.group, set()) if t == 3 else w.local[t]
+        for j in range(lo, hi):
+            if w.kind == "vllm":
+                eh = engine_hash(p, j, k)
+                if eh not in w.emap:
+                    continue
+                ds = w.emap[eh]
+            else:
+                eh = ROUTER_DS[p][j]
+                if eh not in target:
+                    continue
+                ds = (eh,)
+            target.difference_update(ds)
+            if t != 3 and w.kind == "vllm" and not any(d in s for d in ds for s in w.local.values()):
+                del w.emap[eh]
+
+    def match(self, digests: list[int], include_draining: bool) -> dict[str, PrefixMatch]:
+        out = {}
+        for wid, w in self.workers.items():
+            if w.draining and not include_draining:
+                continue
+            runs: list[tuple[Tier, int]] = []
+            for d in digests:
+                tiers = [t for t in (0, 1, 2) if d in w.local[t]]
+                if d in self.remote.get(w.group, set()):
+                    tiers.append(3)
+                if not tiers:
+                    break
+                t = Tier(min(tiers))
+                if runs and runs[-1][0] is t:
+                    runs[-1] = (t, runs[-1][1] + 1)
+                else:
+                    runs.append((t, 1))
+            if runs:
+                out[wid] = PrefixMatch(wid, sum(n for _, n in runs), tuple(runs))
+        return out
+
+
+def event_for(wid: str, op: str, p: int, lo: int, hi: int, medium: str):
+    kind, k, _ = WORKERS[wid]
+    tokens = PROMPTS[p][0]
+    ds = ROUTER_DS[p]
+    if kind == "vllm":
+        hashes = [engine_hash(p, j, k) for j in range(lo, hi)]
+        parent = engine_hash(p, lo - 1, k) if lo else None
+    else:
+        hashes = ds[lo:hi]
+        parent = ds[lo - 1] if lo else None
+    if op == "remove":
+        return BlockRemoved(hashes, medium)
+    extra, lora = engine_extras(p, lo, hi, k)
+    return BlockStored(hashes, parent, tokens[lo * k * BS : hi * k * BS], k * BS, None, medium, lora, extra)
+
+
+@settings(max_examples=120, deadline=None)
+@given(data=st.data())
+def test_match_equals_brute_force_reference(data):
+    idx = PrefixIndex(BS, max_workers=6)  # few slots: clears and removals force sweeps
+    ref = Naive()
+    for wid, (kind, k, group) in WORKERS.items():
+        idx.add_worker(wid, NS.digest, k * BS, group)
+        ref.workers[wid] = NaiveWorker(kind, k, group or f"worker:{wid}")
+    reach: dict[tuple[str, int], int] = {}  # (worker, prompt) -> engine blocks stored so far
+    for _ in range(data.draw(st.integers(5, 50), label="steps")):
+        name = data.draw(
+            st.sampled_from(["store"] * 8 + ["remove"] * 3 + ["add", "remove_worker", "clear", "drain", "sweep"])
+        )
+        if name == "sweep":
+            idx.sweep(data.draw(st.integers(1, 5)))
+            continue
+        wid = data.draw(st.sampled_from(list(WORKERS)))
+        kind, k, group = WORKERS[wid]
+        if name == "add":
+            if wid not in ref.workers:
+                idx.add_worker(wid, NS.digest, k * BS, group)
+                ref.workers[wid] = NaiveWorker(kind, k, group or f"worker:{wid}")
+            continue
+        if wid not in ref.workers:
+            continue
+        if name == "remove_worker":
+            idx.remove_worker(wid)
+            del ref.workers[wid]
+            reach = {key: v for key, v in reach.items() if key[0] != wid}
+        elif name == "clear":
+            idx.apply(wid, [AllBlocksCleared()])
+            ref.workers[wid].local = {0: set(), 1: set(), 2: set()}
+            ref.workers[wid].emap = {}
+        elif name == "drain":
+            flag = data.draw(st.booleans())
+            idx.set_draining(wid, flag)
+            ref.workers[wid].draining = flag
+        else:
+            p = data.draw(st.sampled_from(list(PROMPTS)))
+            n_engine = len(ROUTER_DS[p]) // k
+            done = reach.get((wid, p), 0)
+            anywhere = data.draw(st.integers(0, n_engine - 1))
+            lo = data.draw(st.sampled_from(sorted({0, min(done, n_engine - 1), anywhere})))
+            hi = min(lo + data.draw(st.integers(1, 4)), n_engine)
+            medium = data.draw(st.sampled_from(MEDIUMS))
+            idx.apply(wid, [event_for(wid, name, p, lo, hi, medium)])
+            if name == "store":
+                ref.store(wid, p, lo, hi, medium)
+                reach[(wid, p)] = max(done, hi)
+            else:
+                ref.remove(wid, p, lo, hi, medium)
+        for p, ds in ROUTER_DS.items():
+            assert idx.match(ds) == ref.match(ds, False), (name, wid, p)
+    for p, ds in ROUTER_DS.items():
+        assert idx.match(ds, include_draining=True) == ref.match(ds, True)
+        for lo in (1, 3):
+            assert idx.match(ds[lo:]) == ref.match(ds[lo:], False)
+    for s in idx.worker_stats():
+        w = ref.workers[s.worker_id]
+        assert [s.blocks[t] for t in ("GPU", "CPU", "DISK")] == [len(w.local[t]) for t in (0, 1, 2)]
+        assert s.blocks["REMOTE"] == len(ref.remote.get(w.group, set()))

@@ -1,0 +1,454 @@
+"""kvindex.ingest against a real ZMQ publisher that speaks vLLM's protocol.
+
+`VllmStylePublisher` below follows vllm/distributed/kv_events.py's ZmqEventPublisher
+behaviour (frames `[topic, seq 8B big-endian, payload]`, a bounded replay buffer,
+a ROUTER answering `[b"", start]` with `[b"", seq, payload]`* then `[b"", -1, b""]`);
+it uses XPUB instead of PUB only to learn when the subscription is live (same wire).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from collections.abc import Callable
+
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, EventEncoder, KVEvent
+from kvindex.index import PrefixIndex
+from kvindex.ingest import IngestManager, WorkerSubscriber
+from kvindex.keys import BlockHasher, Namespace, digests64
+
+NS = Namespace("test-model", block_size=4)
+HASHER = BlockHasher.for_namespace(NS)
+BS = 4
+
+
+class VllmStylePublisher:
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        *,
+        topic: bytes = b"kv",
+        buffer_steps: int = 10_000,
+        connect_to: str | None = None,
+        replay: bool = True,
+        replay_delay_s: float = 0.0,
+        encoder: EventEncoder | None = None,
+    ) -> None:
+        self.topic = topic
+        self.pub = ctx.socket(zmq.XPUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        if connect_to:
+            self.pub.connect(connect_to)
+            self.endpoint = connect_to
+        else:
+            port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+            self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.router: zmq.asyncio.Socket | None = None
+        self.replay_endpoint: str | None = None
+        self._task: asyncio.Task[None] | None = None
+        if replay:
+            self.router = ctx.socket(zmq.ROUTER)
+            self.router.setsockopt(zmq.LINGER, 0)
+            rport = self.router.bind_to_random_port("tcp://127.0.0.1")
+            self.replay_endpoint = f"tcp://127.0.0.1:{rport}"
+            self._task = asyncio.get_running_loop().create_task(self._serve_replay())
+        self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self.seq = 0
+        self.replay_delay_s = replay_delay_s
+        self.replay_requests: list[int] = []
+        self.enc = encoder or EventEncoder()
+
+    async def wait_subscribed(self, timeout: float = 5.0) -> None:
+        msg = await asyncio.wait_for(self.pub.recv(), timeout)
+        assert msg[:1] == b"\x01"
+
+    async def publish(self, events: list[KVEvent], *, deliver: bool = True) -> int:
+        """Publish one batch; `deliver=False` loses it on the way (it stays replayable)."""
+        payload = self.enc.encode(time.time(), events)
+        seq = self.seq
+        self.seq += 1
+        if deliver:
+            await self.pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload])
+        self.buffer.append((seq, payload))
+        return seq
+
+    async def send_raw(self, frames: list[bytes]) -> None:
+        await self.pub.send_multipart(frames)
+
+    def restart(self) -> None:
+        """What a restarted engine looks like on the wire: sequence from 0, empty buffer."""
+        self.seq = 0
+        self.buffer.clear()
+
+    async def _serve_replay(self) -> None:
+        assert self.router is not None
+        while True:
+            frames = await self.router.recv_multipart()
+            if len(frames) != 3:
+                continue
+            client, _, start = frames
+            start_seq = int.from_bytes(start, "big")
+            self.replay_requests.append(start_seq)
+            if self.replay_delay_s:
+                await asyncio.sleep(self.replay_delay_s)
+            for seq, buf in list(self.buffer):
+                if seq >= start_seq:
+                    await self.router.send_multipart([client, b"", seq.to_bytes(8, "big"), buf])
+            await self.router.send_multipart([client, b"", (-1).to_bytes(8, "big", signed=True), b""])
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self.pub.close(linger=0)
+        if self.router is not None:
+            self.router.close(linger=0)
+
+
+class Chain:
+    """A prompt's blocks and the BlockStored events our workers publish for them."""
+
+    def __init__(self, seed: int, n_blocks: int) -> None:
+        self.tokens = [(seed * 7919 + i * 31) % 50_000 for i in range(n_blocks * BS)]
+        self.keys = HASHER.keys(self.tokens)
+        self.ds = digests64(self.keys)
+
+    def stored(self, lo: int, hi: int, medium: str = "GPU") -> BlockStored:
+        parent = self.ds[lo - 1] if lo else None
+        return BlockStored(self.ds[lo:hi], parent, self.tokens[lo * BS : hi * BS], BS, None, medium, None)
+
+    def removed(self, lo: int, hi: int, medium: str = "GPU") -> BlockRemoved:
+        return BlockRemoved(self.ds[lo:hi], medium)
+
+
+async def wait_until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.005)
+
+
+def matched(index: PrefixIndex, chain: Chain, worker: str = "w") -> int:
+    m = index.match(chain.ds).get(worker)
+    return 0 if m is None else m.blocks
+
+
+@pytest.fixture
+async def ctx():
+    c = zmq.asyncio.Context()
+    yield c
+    c.term()
+
+
+@pytest.fixture
+def index() -> PrefixIndex:
+    return PrefixIndex(BS, max_workers=16)
+
+
+async def start(ctx, index, pub: VllmStylePublisher | None, **kw) -> tuple[IngestManager, WorkerSubscriber]:
+    mgr = IngestManager(index, replay_timeout_s=kw.pop("replay_timeout_s", 1.0), ctx=ctx)
+    endpoint = kw.pop("endpoint", pub.endpoint if pub else None)
+    replay = kw.pop("replay_endpoint", pub.replay_endpoint if pub else None)
+    sub = mgr.add_worker("w", endpoint, replay_endpoint=replay, ns_digest=NS.digest, block_size=BS, **kw)
+    if pub is not None and not kw.get("bind"):
+        await pub.wait_subscribed()
+    return mgr, sub
+
+
+async def test_gap_is_replayed_then_restart_resyncs(ctx, index):
+    pub = VllmStylePublisher(ctx)
+    mgr, sub = await start(ctx, index, pub)
+    try:
+        a, b = Chain(1, 12), Chain(2, 4)
+        await pub.publish([a.stored(0, 4)])  # seq 0
+        await pub.publish([a.stored(4, 6)])  # seq 1
+        await wait_until(lambda: matched(index, a) == 6)
+        # seq 2, 3 are lost on the way; seq 4 reveals the gap
+        await pub.publish([a.stored(6, 8)], deliver=False)
+        await pub.publish([a.removed(5, 6), a.stored(8, 10, "CPU")], deliver=False)
+        await pub.publish([b.stored(0, 4, "DISK")])
+        await wait_until(lambda: sub.health.batches == 5)
+        h = mgr.health()["w"]
+        assert (h["gaps"], h["replays"], h["resyncs"], h["replay_failures"]) == (1, 1, 0, 0)
+        assert h["duplicates"] == 1  # seq 4 came live and in the replay
+        assert pub.replay_requests == [2]
+        assert matched(index, a) == 5  # block 5 was removed by a replayed batch
+        assert index.match(b.ds)["w"].runs[0][0].name == "DISK"
+        assert h["last_seq"] == 4 and h["state"] == "live"
+
+        # The engine restarts: sequence back to 0, its cache empty.
+        pub.restart()
+        c = Chain(3, 3)
+        await pub.publish([c.stored(0, 3)])
+        await wait_until(lambda: matched(index, c) == 3)
+        h = mgr.health()["w"]
+        assert (h["restarts"], h["resyncs"]) == (1, 1)
+        assert h["last_resync_reason"] == "publisher restarted"
+        assert matched(index, a) == 0 and matched(index, b) == 0  # the old picture is gone
+    finally:
+        await mgr.close()
+        await pub.close()
+
+
+async def test_live_batches_wait_for_a_slow_replay_in_order(ctx, index):
+    pub = VllmStylePublisher(ctx, replay_delay_s=0.3)
+    mgr, sub = await start(ctx, index, pub)
+    try:
+        a = Chain(10, 8)
+        await pub.publish([a.stored(0, 2)])
+        await wait_until(lambda: sub.health.batches == 1)
+        await pub.publish([a.stored(2, 4)], deliver=False)  # lost
+        await pub.publish([a.stored(4, 6)])  # gap -> slow replay starts
+        await asyncio.sleep(0.05)
+        assert sub.health.state == "replaying"
+        # Published during the replay: order matters (store then remove then store).
+        await pub.publish([a.removed(0, 1)])
+        await pub.publish([a.stored(0, 1, "CPU"), a.stored(6, 8)])
+        await wait_until(lambda: sub.health.last_seq == 4)
+        assert sub.health.batches == 5  # every batch applied exactly once
+        assert sub.health.duplicates >= 1
+        assert index.match(a.ds)["w"].runs == ((index_tier("CPU"), 1), (index_tier("GPU"), 7))
+        await pub.publish([a.removed(7, 8)])  # live again after the replay
+        await wait_until(lambda: sub.health.last_seq == 5)
+        assert index.match(a.ds)["w"].blocks == 7 and sub.health.gaps == 1
+    finally:
+        await mgr.close()
+        await pub.close()
+
+
+def index_tier(name: str):
+    from kvindex.tiers import Tier
+
+    return Tier[name]
+
+
+async def test_replay_window_passed_drops_and_rebuilds(ctx, index):
+    pub = VllmStylePublisher(ctx, buffer_steps=2)
+    mgr, sub = await start(ctx, index, pub)
+    try:
+        a, b = Chain(20, 4), Chain(21, 4)
+        await pub.publish([a.stored(0, 4)])
+        await wait_until(lambda: matched(index, a) == 4)
+        for i in range(4):  # lost, and more than the publisher keeps
+            await pub.publish([b.stored(0, i + 1) if i == 0 else b.stored(i, i + 1)], deliver=False)
+        c = Chain(22, 2)
+        await pub.publish([c.stored(0, 2)])
+        await wait_until(lambda: sub.health.last_seq == 5)
+        h = mgr.health()["w"]
+        assert h["resyncs"] == 1 and h["last_resync_reason"] == "replay cannot cover the gap"
+        assert matched(index, a) == 0  # dropped: we could not know what happened to it
+        assert matched(index, c) == 2
+        # The replay gave seq 4, 5 only: b's block 3 has an unknown parent (orphan).
+        assert h["orphans"] >= 1
+    finally:
+        await mgr.close()
+        await pub.close()
+
+
+async def test_gap_without_replay_endpoint_drops(ctx, index):
+    pub = VllmStylePublisher(ctx, replay=False)
+    mgr, sub = await start(ctx, index, pub)
+    try:
+        a, b = Chain(30, 3), Chain(31, 3)
+        await pub.publish([a.stored(0, 3)])
+        await wait_until(lambda: matched(index, a) == 3)
+        await pub.publish([b.stored(0, 1)], deliver=False)
+        await pub.publish([b.stored(1, 3)])  # its parent was lost: an orphan
+        await wait_until(lambda: sub.health.last_seq == 2)
+        h = mgr.health()["w"]
+        assert (h["gaps"], h["replays"], h["resyncs"]) == (1, 0, 1)
+        assert matched(index, a) == 0 and matched(index, b) == 0 and h["orphans"] == 2
+    finally:
+        await mgr.close()
+        await pub.close()
+
+
+async def test_replay_timeout_drops(ctx, index):
+    pub = VllmStylePublisher(ctx, replay=False)
+    silent = ctx.socket(zmq.ROUTER)  # accepts the request, never answers
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    mgr, sub = await start(ctx, index, pub, replay_endpoint=f"tcp://127.0.0.1:{port}", replay_timeout_s=0.2)
+    try:
+        a = Chain(40, 2)
+        await pub.publish([a.stored(0, 1)])
+        await wait_until(lambda: sub.health.batches == 1)
+        await pub.publish([a.stored(1, 2)], deliver=False)
+        await pub.publish([AllBlocksCleared()])
+        await wait_until(lambda: sub.health.last_seq == 2)
+        h = mgr.health()["w"]
+        assert (h["replay_failures"], h["resyncs"], h["last_resync_reason"]) == (1, 1, "replay failed")
+        assert h["cleared"] == 1
+    finally:
+        await mgr.close()
+        await pub.close()
+        silent.close(linger=0)
+
+
+async def test_late_join_replays_history_and_bind_mode(ctx, index):
+    # vLLM publishing to tcp://127.0.0.1:P connects: we bind (port chosen by the OS).
+    mgr = IngestManager(index, ctx=ctx)
+    sub = mgr.add_worker("w", "tcp://127.0.0.1:*", bind=True, ns_digest=NS.digest, block_size=BS)
+    assert sub.endpoint.startswith("tcp://127.0.0.1:") and not sub.endpoint.endswith("*")
+    pub = VllmStylePublisher(ctx, connect_to=sub.endpoint)
+    try:
+        await pub.wait_subscribed()
+        a = Chain(50, 6)
+        await pub.publish([a.stored(0, 3)])
+        await wait_until(lambda: matched(index, a) == 3)
+        assert sub.health.replays == 0
+    finally:
+        await mgr.close()
+        await pub.close()
+
+    # A second router replica joins a publisher that is already at seq 3.
+    index2 = PrefixIndex(BS, max_workers=4)
+    pub = VllmStylePublisher(ctx)
+    try:
+        a = Chain(51, 8)
+        for lo in range(0, 6, 2):
+            await pub.publish([a.stored(lo, lo + 2)])  # nobody listens yet
+        mgr, sub = await start(ctx, index2, pub)
+        await pub.publish([a.stored(6, 8)])
+        await wait_until(lambda: matched(index2, a) == 8)
+        assert pub.replay_requests == [0] and sub.health.resyncs == 0
+    finally:
+        await mgr.close()
+        await pub.close()
+
+
+async def test_bad_messages_are_counted_and_skipped(ctx, index):
+    pub = VllmStylePublisher(ctx)
+    mgr, sub = await start(ctx, index, pub)
+    try:
+        a = Chain(60, 4)
+        await pub.publish([a.stored(0, 2)])
+        await wait_until(lambda: sub.health.batches == 1)
+        await pub.send_raw([b"kv", b"\x00" * 8])  # two frames
+        await pub.send_raw([b"kv", b"\x00" * 4, b"x"])  # short sequence frame
+        await pub.send_raw([b"kv", (1).to_bytes(8, "big"), b"\xc1\xff garbage"])  # bad msgpack, seq 1
+        bad_event = msgspec.msgpack.encode([time.time(), [["NoSuchEvent", 1], {"type": "BlockStored"}], None])
+        await pub.send_raw([b"kv", (2).to_bytes(8, "big"), bad_event])
+        pub.seq = 3
+        await pub.publish([Chain(61, 1).removed(0, 1), a.stored(2, 4)])  # removal of a block never stored
+        await wait_until(lambda: sub.health.last_seq == 3)
+        h = mgr.health()["w"]
+        assert h["bad_frames"] == 2 and h["decode_errors"] == 1
+        assert h["bad_events"] == 2 and h["unknown_removed"] == 1
+        assert h["gaps"] == 0 and h["resyncs"] == 0
+        assert matched(index, a) == 4
+        assert h["internal_errors"] == 0
+    finally:
+        await mgr.close()
+        await pub.close()
+
+
+async def test_manager_lifecycle_and_requested_resync(ctx, index):
+    pub = VllmStylePublisher(ctx)
+    mgr, sub = await start(ctx, index, pub)
+    try:
+        with pytest.raises(ValueError):
+            mgr.add_worker("w", pub.endpoint)
+        with pytest.raises(ValueError):
+            mgr.add_worker("other", pub.endpoint)  # not in the index and no ns_digest
+        a = Chain(70, 4)
+        await pub.publish([a.stored(0, 4)])
+        await wait_until(lambda: matched(index, a) == 4)
+        mgr.resync("w")  # e.g. the gateway saw the worker restart
+        assert matched(index, a) == 0
+        await pub.publish([a.stored(0, 1, "CPU")])  # next batch: history replayed from 0
+        await wait_until(lambda: sub.health.last_seq == 1)
+        assert pub.replay_requests == [0]
+        assert index.match(a.ds)["w"].runs == ((index_tier("GPU"), 4),)
+        await mgr.remove_worker("w")
+        assert not index.has_worker("w") and "w" not in mgr.health()
+    finally:
+        await mgr.close()
+        await pub.close()
+
+
+async def test_vllm_worker_with_engine_hashes_and_bigger_blocks(ctx):
+    """A vLLM worker: its own (seeded) hashes, block size 2x the index's, positional events."""
+    index = PrefixIndex(BS, max_workers=4)
+    pub = VllmStylePublisher(ctx, encoder=EventEncoder(positional=True))
+    mgr = IngestManager(index, ctx=ctx)
+    mgr.add_worker("w", pub.endpoint, replay_endpoint=pub.replay_endpoint, ns_digest=NS.digest, block_size=2 * BS)
+    try:
+        await pub.wait_subscribed()
+        a = Chain(80, 6)
+        await pub.publish([BlockStored([9001, 9002], None, a.tokens[: 4 * BS], 2 * BS, None, "GPU", None)])
+        await pub.publish([BlockStored([9003], 9002, a.tokens[4 * BS : 6 * BS], 2 * BS, None, "CPU", None)])
+        await pub.publish([BlockRemoved([9002], "GPU")])
+        await wait_until(lambda: mgr.health()["w"]["last_seq"] == 2)
+        assert index.match(a.ds)["w"].runs == ((index_tier("GPU"), 2),)
+        assert mgr.health()["w"]["blocks_stored"] == 3
+    finally:
+        await mgr.close()
+        await pub.close()
+
+
+# ---------------------------------------------------------------------------- fuzz
+
+_msgpack_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=False) | st.text(max_size=8)
+    | st.binary(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=20,
+)
+_event_like = st.one_of(
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["BlockStored", "BlockRemoved", "AllBlocksCleared", "Nope"])},
+        optional={
+            "block_hashes": st.lists(st.integers(0, 2**64 - 1) | st.binary(max_size=4), max_size=3),
+            "parent_block_hash": st.none() | st.integers(0, 2**64 - 1),
+            "token_ids": st.lists(st.integers(-5, 2**33), max_size=12),
+            "block_size": st.integers(-4, 16),
+            "medium": st.none() | st.sampled_from(["GPU", "CPU", "tape"]) | st.integers(0, 9),
+            "extra_keys": st.none() | st.lists(st.none() | st.lists(_msgpack_values, max_size=2), max_size=3),
+            "group_idx": st.none() | st.integers(0, 2),
+        },
+    ),
+    st.lists(_msgpack_values, max_size=6).map(lambda xs: ["BlockStored", *xs]),
+    _msgpack_values,
+)
+_payloads = st.one_of(
+    st.binary(max_size=64),
+    st.tuples(st.floats(allow_nan=False) | st.text(max_size=3), st.lists(_event_like, max_size=4), _msgpack_values).map(
+        msgspec.msgpack.encode
+    ),
+)
+_frames = st.one_of(
+    st.lists(st.binary(max_size=12), max_size=5),
+    st.tuples(
+        st.sampled_from([b"kv", b"kv2", b""]), st.integers(0, 6).map(lambda s: s.to_bytes(8, "big")), _payloads
+    ).map(list),
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(messages=st.lists(_frames, max_size=8))
+async def test_fuzzed_messages_never_break_ingestion(ctx, messages):
+    index = PrefixIndex(BS, max_workers=8)
+    index.add_worker("w", NS.digest, BS)
+    sub = WorkerSubscriber("w", index, ctx, "tcp://127.0.0.1:1", replay_endpoint=None)  # nothing listens there
+    try:
+        for frames in messages:
+            await sub.on_frames(frames)
+        a = Chain(90, 2)
+        seq = (sub.health.last_seq or 0) + 1
+        ok = EventEncoder().encode(1.0, [a.stored(0, 2)])
+        await sub.on_frames([b"kv", seq.to_bytes(8, "big"), ok])
+        assert matched(index, a) == 2  # still ingesting correctly afterwards
+        h = sub.snapshot()
+        assert h["internal_errors"] == 0
+    finally:
+        await sub.close()

@@ -1,0 +1,183 @@
+"""HTTP replay against a tiny OpenAI-compatible server started in the test."""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from aiohttp import web
+
+from loadtest.replay import PREDICTED_HEADER, WORKER_HEADER, ReplayConfig, Replayer
+from loadtest.results import ResultsWriter, read_runs
+from loadtest.summary import summarize
+from loadtest.tokens import TokenSynth
+from loadtest.trace import Trace, TraceError, TraceRequest
+
+TTFT_S = 0.03
+TOKEN_GAP_S = 0.005
+
+
+class FakeServer:
+    """Streams `max_tokens` tokens after TTFT_S; 400s prompts over 5000 tokens; records bodies."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict[str, Any]] = []
+        self.active = 0
+        self.max_active = 0
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        prompt = body.get("prompt")
+        if prompt is None:
+            prompt = body["messages"][0]["content"].split()
+        if len(prompt) > 5000:
+            return web.json_response(
+                {"error": {"message": "prompt too long", "type": "invalid_request_error", "param": "prompt",
+                           "code": None}},
+                status=400,
+            )
+        self.active += 1
+        self.max_active = max(self.max_active, self.active)
+        try:
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", WORKER_HEADER: "w7",
+                                               PREDICTED_HEADER: "25.0"})
+            await resp.prepare(request)
+            await asyncio.sleep(TTFT_S)
+            chat = "messages" in body
+            for i in range(body["max_tokens"]):
+                if i:
+                    await asyncio.sleep(TOKEN_GAP_S)
+                choice = {"index": 0, "delta": {"content": "x"}} if chat else {"index": 0, "text": "x"}
+                await resp.write(b"data: " + msgspec.json.encode({"choices": [choice]}) + b"\n\n")
+            usage = {
+                "prompt_tokens": len(prompt),
+                "completion_tokens": body["max_tokens"],
+                "prompt_tokens_details": {"cached_tokens": 512},
+                "kv": {"loaded_tokens": {"GPU": 256, "CPU": 256}, "recomputed_tokens": len(prompt) - 512,
+                       "prefetched_tokens": 256, "queue_ms": 1.0, "load_ms": 2.0, "prefill_ms": 3.0},
+            }
+            await resp.write(b"data: " + msgspec.json.encode({"choices": [], "usage": usage}) + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+        finally:
+            self.active -= 1
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[tuple[str, FakeServer]]:
+    fake = FakeServer()
+    app = web.Application()
+    app.router.add_get("/v1/models", fake.models)
+    app.router.add_post("/v1/completions", fake.completions)
+    app.router.add_post("/v1/chat/completions", fake.completions)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        yield f"http://127.0.0.1:{port}", fake
+    finally:
+        await runner.cleanup()
+
+
+def _trace() -> Trace:
+    reqs = [TraceRequest(i, i * 0.02, 600 + 50 * i, 4, (0, 1 + i)) for i in range(8)]
+    reqs.append(TraceRequest(8, 0.16, 6000, 4, tuple(range(100, 112))))  # too long for the server
+    return Trace("t", 512, reqs)
+
+
+async def test_replay_open_loop_results(server: tuple[str, FakeServer], tmp_path: Path) -> None:
+    url, fake = server
+    trace = _trace()
+    synth = TokenSynth.for_trace(trace)
+    out = tmp_path / "r.jsonl"
+    with ResultsWriter(out) as w:
+        t0 = time.monotonic()
+        results = await Replayer(trace, synth, ReplayConfig(url=url + "/v1", progress=False), label="fake",
+                                 writer=w).run()
+        took = time.monotonic() - t0
+    assert [r.index for r in results] == list(range(9))
+    ok = results[:8]
+    for r in ok:
+        assert r.ok, r
+        assert r.ttft_s is not None and r.ttft_s >= TTFT_S * 0.9
+        assert r.tpot_s is not None and r.tpot_s >= TOKEN_GAP_S * 0.8
+        assert r.e2e_s is not None and r.e2e_s >= r.ttft_s
+        assert r.output_tokens == 4 and r.cached_tokens == 512
+        assert r.loaded_tokens == {"GPU": 256, "CPU": 256} and r.recomputed_tokens == r.prompt_tokens - 512
+        assert r.worker == "w7" and r.predicted_ttft_s == pytest.approx(0.025)
+        assert r.client_queue_s < 0.05
+    # open loop: sends follow the schedule, not the completions
+    starts = [r.start_s for r in ok]
+    assert starts[-1] - starts[0] == pytest.approx(0.14, abs=0.05)
+    assert took < 2.0
+    bad = results[8]
+    assert bad.status == 400 and bad.error == "prompt too long" and not bad.ok
+    # token ids were sent, exactly the synthesised ones, with ignore_eos
+    body = next(b for b in fake.bodies if len(b["prompt"]) == 600)
+    assert body["prompt"] == synth.token_list(trace.requests[0]) and body["ignore_eos"] is True
+    assert body["max_tokens"] == 4 and body["model"] == "fake-model" and body["stream"] is True
+    runs = read_runs(out)
+    assert len(runs) == 1 and len(runs[0].results) == 9 and runs[0].meta.duration_s > 0
+    s = summarize(runs[0])
+    assert s.ok == 8 and s.errors == {"400": 1}
+    assert s.hit_rate["CPU"] > 0 and 0 < s.recompute_avoided < 1
+
+
+async def test_concurrency_bound_is_client_queueing(server: tuple[str, FakeServer]) -> None:
+    url, fake = server
+    reqs = [TraceRequest(i, 0.0, 100, 3, (i,)) for i in range(5)]
+    trace = Trace("burst", 512, reqs)
+    cfg = ReplayConfig(url=url, concurrency=1, progress=False, model="m")
+    results = await Replayer(trace, TokenSynth.for_trace(trace), cfg).run()
+    assert fake.max_active == 1
+    assert all(r.ok for r in results)
+    queued = sorted(r.client_queue_s for r in results)
+    assert queued[0] < 0.02 and queued[-1] >= 4 * TTFT_S  # the last one waited for four others
+
+
+async def test_chat_endpoint_and_limits(server: tuple[str, FakeServer]) -> None:
+    url, fake = server
+    trace = _trace()
+    cfg = ReplayConfig(url=url, endpoint="chat", progress=False, limit=3, speed=10.0)
+    results = await Replayer(trace, TokenSynth.for_trace(trace), cfg).run()
+    assert len(results) == 3 and all(r.ok for r in results)
+    assert all("messages" in b for b in fake.bodies)
+    assert len(fake.bodies[0]["messages"][0]["content"].split()) == 600
+    cfg2 = ReplayConfig(url=url, progress=False, duration_s=0.05, model="m")
+    results2 = await Replayer(trace, TokenSynth.for_trace(trace), cfg2).run()
+    assert [r.index for r in results2] == [0, 1, 2]
+
+
+async def test_unreachable_server_is_an_error_not_a_hang() -> None:
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    trace = Trace("t", 512, [TraceRequest(0, 0.0, 10, 2, (0,))])
+    cfg = ReplayConfig(url=f"http://127.0.0.1:{port}", model="m", progress=False)
+    results = await Replayer(trace, TokenSynth.for_trace(trace), cfg).run()
+    assert results[0].status == 0 and "Connect" in (results[0].error or "")
+    with pytest.raises(TraceError, match="pass --model"):
+        await Replayer(trace, TokenSynth.for_trace(trace), ReplayConfig(url=f"http://127.0.0.1:{port}",
+                                                                        progress=False)).run()
+
+
+def test_config_validation() -> None:
+    with pytest.raises(TraceError):
+        ReplayConfig(url="ftp://x")
+    with pytest.raises(TraceError):
+        ReplayConfig(endpoint="embeddings")
+    with pytest.raises(TraceError):
+        ReplayConfig(concurrency=0)

@@ -1,0 +1,171 @@
+"""The offline simulator on small slices: completeness, the router model, tiers, CLI."""
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from kvindex.tiers import Tier
+from loadtest.cli import main
+from loadtest.fleet import FleetSpec, parse_tiers, profile_with_tiers, tiers_label
+from loadtest.results import read_runs
+from loadtest.router_model import RouterSettings
+from loadtest.scenarios.base import sized_profile
+from loadtest.simulate import SimSettings, Simulation
+from loadtest.summary import summarize
+from loadtest.sweep import find_load, plan_jobs, run_matrix
+from loadtest.trace import TraceError
+from loadtest.traces import load_trace
+from loadtest.workloads import PrefixMix, Sessions, prefix_workload, session_workload
+from workers.sim import load_profile
+
+MOONCAKE = "/work/shared/traces/mooncake_conversation_first_half.jsonl"
+
+
+@pytest.fixture(scope="module")
+def slice_() -> object:
+    return load_trace(MOONCAKE).window(limit=60)
+
+
+def _settings(**kw: object) -> SimSettings:
+    fleet = FleetSpec(workers=4, profile=sized_profile(gpu_tokens=150_000), block_size=64)
+    return replace(SimSettings(fleet=fleet), **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "least_loaded", "prefix_hash", "cache_aware", "dynamo",
+                                    "kv_cost", "oracle"])
+def test_every_policy_answers_every_request(slice_: object, policy: str) -> None:
+    run = Simulation(slice_, policy, _settings()).run()  # type: ignore[arg-type]
+    assert [r.index for r in run.results] == list(range(60))
+    assert all(r.ok for r in run.results), [r.error for r in run.results if not r.ok]
+    for r in run.results:
+        assert r.ttft_s > 0 and r.e2e_s >= r.ttft_s and r.worker is not None
+        assert r.cached_tokens + r.recomputed_tokens == r.prompt_tokens
+    s = summarize(run)
+    assert s.ttft["p99"] >= s.ttft["p50"] > 0
+    if policy not in ("round_robin", "least_loaded", "prefix_hash"):
+        assert s.pred_abs_rel_err_p50 < 1.0  # planners that predict TTFT give a prediction
+
+
+def test_deterministic(slice_: object) -> None:
+    a = Simulation(slice_, "kv_cost", _settings()).run()  # type: ignore[arg-type]
+    b = Simulation(slice_, "kv_cost", _settings()).run()  # type: ignore[arg-type]
+    assert [(r.ttft_s, r.worker) for r in a.results] == [(r.ttft_s, r.worker) for r in b.results]
+
+
+def test_index_fed_by_events_matches_the_engines(slice_: object) -> None:
+    kept: dict[str, Simulation] = {}
+
+    for lag in (0.0, 0.5):
+        st = _settings(router=RouterSettings(event_lag_s=lag))
+        sim = Simulation(slice_, "kv_cost", st)  # type: ignore[arg-type]
+        sim.run()
+        kept[str(lag)] = sim
+        sim.router.deliver(float("inf"))  # what lagged events were still on the way
+        checked = 0
+        for req in slice_.requests[::7]:  # type: ignore[attr-defined]
+            keys, digests = sim.keys.get(req)
+            m = sim.router.index.match(digests)
+            for wid, eng in sim.fleet.engines.items():
+                truth = eng.match_tiers(keys)
+                n = sum(1 for t in truth if t is not None)
+                got = m.get(wid)
+                assert (got.blocks if got else 0) == n, (lag, wid)
+                if got:
+                    flat = [t for t, c in got.runs for _ in range(c)]
+                    assert flat == truth[:n]
+                    checked += 1
+        assert checked > 0
+    assert kept["0.0"].router.counters.events_applied > 0
+
+
+def test_gpu_only_tiers_load_nothing_from_below() -> None:
+    trace = session_workload("s", Sessions(sessions=12, turns=3, first_tokens=(3000, 6000)), seed=1, span_s=20)
+    prof = sized_profile(gpu_tokens=20_000, cpu_tokens=80_000)
+    gpu = Simulation(trace, "kv_cost", _settings(fleet=FleetSpec(workers=2, profile=prof, tiers="gpu",
+                                                                  block_size=64))).run()
+    allt = Simulation(trace, "kv_cost", _settings(fleet=FleetSpec(workers=2, profile=prof, tiers="all",
+                                                                   block_size=64))).run()
+    assert all(set(r.loaded_tokens) <= {"GPU"} for r in gpu.results)
+    assert summarize(allt).hit_rate["CPU"] + summarize(allt).hit_rate["REMOTE"] > 0
+    assert gpu.meta.tiers == "gpu" and allt.meta.tiers == "all"
+
+
+def test_prefetch_is_issued_when_blocks_sit_below_gpu() -> None:
+    trace = session_workload("s", Sessions(sessions=16, turns=4, first_tokens=(4000, 8000), think_s=(20, 40)),
+                             seed=2, span_s=20)
+    prof = sized_profile(gpu_tokens=20_000, cpu_tokens=200_000)
+    run = Simulation(trace, "kv_cost", _settings(fleet=FleetSpec(workers=2, profile=prof, block_size=64))).run()
+    assert run.meta.stats["prefetches_sent"] > 0
+    assert any(r.prefetch_blocks > 0 for r in run.results)
+    no = Simulation(trace, "kv_cost", _settings(fleet=FleetSpec(workers=2, profile=prof, block_size=64),
+                                                router=RouterSettings(prefetch=False))).run()
+    assert no.meta.stats["prefetches_sent"] == 0
+
+
+def test_nothing_is_dropped_silently() -> None:
+    trace = prefix_workload("w", 40, 50.0, PrefixMix(prefix_tokens=[], prefix_prob=0.0,
+                                                     suffix_tokens=(20000, 30000)))
+    run = Simulation(trace, "round_robin", _settings(max_drain_s=0.5)).run()
+    assert len(run.results) == 40
+    unfinished = [r for r in run.results if r.error and "unfinished" in r.error]
+    assert unfinished and run.meta.stats["unfinished"] == len(unfinished)
+    shed = Simulation(trace, "kv_cost", _settings(), policy_params={"max_ttft_s": 1e-4}).run()
+    assert all(r.status == 429 and "shed" in (r.error or "") for r in shed.results)
+    big = trace.with_requests([replace(trace.requests[0], input_length=120_000,
+                                       hash_ids=tuple(range(-(-120_000 // 64))))])
+    small_gpu = FleetSpec(workers=2, profile=sized_profile(gpu_tokens=100_000), block_size=64)
+    too_large = Simulation(big, "kv_cost", _settings(fleet=small_gpu)).run()
+    assert too_large.results[0].status == 400 and "KV blocks" in (too_large.results[0].error or "")
+
+
+def test_tier_specs() -> None:
+    assert parse_tiers("gpu,cpu") == frozenset({"gpu", "cpu"})
+    assert tiers_label(parse_tiers("GPU, CPU, DISK")) == "gpu,cpu,disk"
+    with pytest.raises(TraceError):
+        parse_tiers("cpu")
+    with pytest.raises(TraceError):
+        parse_tiers("gpu,tape")
+    p = profile_with_tiers(load_profile("h200-llama3.1-8b"), parse_tiers("gpu,cpu"))
+    assert p.cpu is not None and p.disk is None and p.remote is None and p.peer is None
+
+
+def test_sweep_and_load_search(slice_: object) -> None:
+    jobs = plan_jobs(["round_robin", "kv_cost"], ["gpu", "all"], {"kv_cost": {"tie_margin": 0.05}})
+    assert [j.label for j in jobs] == ["round_robin@gpu", "kv_cost@gpu", "round_robin@all", "kv_cost@all"]
+    assert jobs[1].params == {"tie_margin": 0.05}
+    runs = run_matrix(slice_, _settings(), jobs[:2])  # type: ignore[arg-type]
+    assert [r.meta.run for r in runs] == ["round_robin@gpu", "kv_cost@gpu"]
+    speed, probes = find_load(slice_, _settings(), ratio=1.5, ladder=(1.0, 4.0))  # type: ignore[arg-type]
+    assert probes and probes[0].speed == 1.0
+    assert speed is None or probes[-1].ratio >= 1.5
+
+
+def test_cli_simulate_report_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "sim"
+    rc = main(["simulate", "--trace", MOONCAKE, "--limit", "30", "--workers", "2", "--block-size", "64",
+               "--policies", "round_robin,kv_cost", "--out", str(out), "--no-plots",
+               "--param", "kv_cost.tie_margin=0.05"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "| kv_cost |" in text and "TTFT p50" in text
+    runs = read_runs(out / "results.jsonl")
+    assert [r.meta.run for r in runs] == ["round_robin", "kv_cost"]
+    assert runs[1].meta.params["policy"] == {"tie_margin": 0.05}
+    assert (out / "report.md").exists()
+    assert main(["report", str(out / "results.jsonl"), "--out", str(tmp_path / "rep")]) == 0
+    assert (tmp_path / "rep" / "ttft_cdf.png").exists()
+    assert main(["simulate", "--trace", MOONCAKE, "--limit", "5", "--policies", "nope"]) == 2
+    assert main(["simulate", "--trace", MOONCAKE, "--limit", "5", "--profile", "nope"]) == 2
+    assert main(["simulate", "--trace", str(tmp_path / "missing.jsonl")]) == 2
+    assert main(["simulate", "--trace", MOONCAKE, "--limit", "5", "--param", "kv_cost.bogus=1",
+                 "--policies", "kv_cost"]) == 2
+    assert main(["trace", "stats", "--trace", MOONCAKE, "--limit", "10"]) == 0
+    conv = tmp_path / "az.jsonl"
+    assert main(["trace", "convert", "--trace", "/work/shared/traces/AzureLLMInferenceTrace_conv.csv",
+                 "--limit", "50", "--to", str(conv)]) == 0
+    back = load_trace(conv, block_tokens=16)
+    assert len(back) == 50
+    assert main(["scenario", "list"]) == 0
+    assert main(["scenario", "nope"]) == 2

@@ -1,0 +1,27 @@
+"""The gateway never imports torch or workers (DESIGN.md §3), checked in a fresh interpreter."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_router_never_imports_torch_or_workers() -> None:
+    code = """
+import sys
+import router.cli, router.app, router.gateway, router.pool, router.proxy, router.server, router.tokenize
+import router.recorder, router.tenancy, router.ingest_adapter, router.config, router.metrics
+from router.config import load_config
+from router.gateway import Gateway
+gw = Gateway(load_config('configs/default.yaml', environ={}))
+rt = next(iter(gw.models.by_id.values()))
+ids = rt.tokenizer.encode_text(rt.tokenizer.render_chat([{'role': 'user', 'content': 'hello'}]), False)
+rt.key_plan(ids, '', None)
+bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.') or m == 'workers' or m.startswith('workers.') or m.startswith('loadtest'))
+assert not bad, bad
+print('ok')
+"""
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]

@@ -1,0 +1,153 @@
+"""Gateway building blocks without HTTP: tenancy salts, shared prefixes, key plans, the trace
+recorder, vLLM /metrics parsing, request validation."""
+from __future__ import annotations
+
+import json
+from array import array
+from pathlib import Path
+
+import pytest
+
+from kvindex.keys import BlockHasher, Namespace, digests64
+from router.config import build_config
+from router.errors import ApiError
+from router.model import ModelRuntime
+from router.recorder import TraceRecorder
+from router.schema import decode_chat, decode_completion, validate_chat, validate_completion
+from router.tenancy import Tenancy
+from router.tokenize import Tokenizer
+from router.vllm_load import parse_vllm_metrics
+
+ROOT = Path(__file__).resolve().parent.parent
+TOK = ROOT / "configs/assets/tiny-tokenizer"
+SYSTEM = "You are a helpful assistant. " * 20
+
+
+def _model(**cfg_over: object) -> ModelRuntime:
+    cfg = build_config({"models": [{"id": "m", "tokenizer": str(TOK)}], **cfg_over}, ROOT, environ={})
+    rt = ModelRuntime(cfg.models[0], Tokenizer(TOK))
+    for sp in cfg.shared_prefixes:
+        rt.add_shared_prefix(sp)
+    return rt
+
+
+def _chat_ids(rt: ModelRuntime, user: str) -> array:
+    tok = rt.tokenizer
+    return tok.encode_text(tok.render_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]), False)
+
+
+def test_tenants_are_isolated_and_keys_match_the_workers_computation() -> None:
+    cfg = build_config({"models": [{"id": "m", "tokenizer": str(TOK)}],
+                        "tenants": [{"id": "a", "api_keys": ["sk-aaaaaaaa"]}, {"id": "b", "api_keys": ["sk-bbbbbbbb"], "salt": "B"}]},
+                       ROOT, environ={})
+    ten = Tenancy(cfg)
+    a = ten.authenticate({"authorization": "Bearer sk-aaaaaaaa"})
+    b = ten.authenticate({"authorization": "Bearer sk-bbbbbbbb"})
+    assert a.id == "a" and b.salt == "B" and a.salt and a.salt != b.salt
+    with pytest.raises(ApiError) as ei:
+        ten.authenticate({})
+    assert ei.value.status == 401
+    rt = _model()
+    ids = _chat_ids(rt, "same question")
+    pa, pb = rt.key_plan(ids, a.salt, None), rt.key_plan(ids, b.salt, None)
+    assert not set(pa.digests) & set(pb.digests)  # no shared block across tenants
+    assert pa.wire_salt and pa.wire_salt.startswith("t:") and a.salt not in pa.wire_salt
+    # docs/wire.md: the worker scopes with cache_salt=<received> and no tenant salt -> the same keys
+    worker_ns = Namespace("m", kv_dtype="auto").scoped(cache_salt=pa.wire_salt)
+    wk = BlockHasher.for_namespace(worker_ns).keys_for(ids.tolist(), worker_ns)
+    assert digests64(wk) == pa.digests
+    # a request cache_salt changes keys within a tenant too
+    assert rt.key_plan(ids, a.salt, "c1").digests[0] != pa.digests[0]
+
+
+def test_declared_shared_prefix_stays_shared_across_tenants() -> None:
+    rt = _model(shared_prefixes=[{"name": "sys", "messages": [{"role": "system", "content": SYSTEM}]}])
+    sp = rt.shared[0]
+    assert sp.blocks == len(sp.ids) // 16 and sp.blocks >= 5
+    ids = _chat_ids(rt, "tenant question")
+    pa, pb = rt.key_plan(ids, "salt-a", None), rt.key_plan(ids, "salt-b", None)
+    assert pa.shared_blocks == sp.blocks
+    k = sp.blocks
+    assert pa.digests[:k] == pb.digests[:k]  # the public system prompt: one cache for all
+    assert not set(pa.digests[k:]) & set(pb.digests[k:])  # the rest stays isolated
+    assert pa.digests[:k] == rt.key_plan(ids, "", None).digests[:k]
+    other = rt.tokenizer.encode_text(rt.tokenizer.render_chat([{"role": "user", "content": "no system"}]), False)
+    assert rt.key_plan(other, "salt-a", None).shared_blocks == 0
+    # vLLM workers salt from block 0 (they do not know kv.shared_prefix_blocks)
+    rt.has_vllm_workers = True
+    pv = rt.key_plan(ids, "salt-a", None)
+    assert pv.vllm_digests is not None and pv.vllm_digests[0] != pv.digests[0]
+
+
+def test_tenant_wire_salts_for_purge() -> None:
+    cfg = build_config({"models": [{"id": "m", "tokenizer": str(TOK)}],
+                        "tenants": [{"id": "a", "api_keys": ["sk-aaaaaaaa"]}]}, ROOT, environ={})
+    ten = Tenancy(cfg, max_salts_per_tenant=2)
+    t = ten.tenants["a"]
+    for cs in ("x", "y", "z", None):
+        ten.remember_salt(t, cs)
+    salts = ten.wire_salts(t)
+    assert len(salts) == 3  # tenant-only + the 2 most recent request salts (bounded)
+    ns = Namespace("any").scoped(tenant_salt=t.salt, cache_salt="z")
+    assert ns.wire_salt in salts and Namespace("q").scoped(tenant_salt=t.salt).wire_salt in salts
+
+
+def test_recorder_writes_mooncake_lines_without_content(tmp_path: Path) -> None:
+    rt = _model()
+    path = tmp_path / "trace.jsonl"
+    rec = TraceRecorder(path, salt="rec-salt", block_tokens=64)
+    base = array("I", range(1, 200))
+    longer = array("I", list(base) + [7] * 100)
+    ns = rt.scoped("", "", 0)
+    rec.record(rec._t0 + 0.5, base, ns, 10)
+    rec.record(rec._t0 + 1.25, longer, ns, 3)
+    rec.record(rec._t0 + 2.0, base, rt.scoped("tenant-x", "", 0), 1)
+    rec.close()
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [ln["timestamp"] for ln in lines] == [500, 1250, 2000]
+    assert lines[0]["input_length"] == 199 and lines[0]["output_length"] == 10
+    assert lines[0]["hash_ids"] == [0, 1, 2, 3]  # ceil(199 / 64) ids, first appearance order
+    assert lines[1]["hash_ids"][:3] == [0, 1, 2] and len(lines[1]["hash_ids"]) == 5  # shared full blocks
+    assert lines[1]["hash_ids"][3] != 3  # 4th block differs (partial vs full)
+    assert not set(lines[2]["hash_ids"]) & set(lines[0]["hash_ids"])  # another tenant: other ids
+    assert "1, 2, 3" not in path.read_text()
+    again = TraceRecorder(tmp_path / "t2.jsonl", salt="other-salt", block_tokens=64)
+    assert again.hash_ids(base, ns) == [0, 1, 2, 3]  # structure, not values, is what is kept
+
+
+def test_vllm_metrics_parse() -> None:
+    text = """# HELP vllm:num_requests_waiting Number of requests waiting.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 3.0
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 7.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+"""
+    v = parse_vllm_metrics(text)
+    assert (v.waiting_requests, v.running_requests, v.kv_usage) == (3, 7, 0.25)
+    old = text.replace("kv_cache_usage_perc", "gpu_cache_usage_perc")
+    assert parse_vllm_metrics(old).kv_usage == 0.25
+    with pytest.raises(ValueError):
+        parse_vllm_metrics("# nothing here\nfoo 1\n")
+
+
+def test_validation_messages_name_params() -> None:
+    r = decode_chat(b'{"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}')
+    assert validate_chat(r, 4, 100) == [{"role": "user", "content": "ab"}]
+    r = decode_chat(b'{"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}')
+    with pytest.raises(ApiError) as ei:
+        validate_chat(r, 4, 100)
+    assert ei.value.param == "messages[0].content[0].type"
+    with pytest.raises(ApiError) as ei:
+        decode_chat(b'{"model": "m", "messages": [], "max_tokens": "ten"}')
+    assert ei.value.param == "max_tokens"
+    r = decode_completion(b'{"model": "m", "prompt": ["a", "b"]}')
+    with pytest.raises(ApiError, match="Batched"):
+        validate_completion(r, 4, 100)
+    assert list(validate_completion(decode_completion(b'{"model": "m", "prompt": [[1, 2]]}'), 4, 100)) == [1, 2]
+    for bad in (b"[1, -2]", b"[1, 2.5]", b'[1, "x"]', b"[1, 100]", b"[]"):
+        with pytest.raises(ApiError):
+            validate_completion(decode_completion(b'{"model": "m", "prompt": ' + bad + b"}"), 4, 100)
+    with pytest.raises(ApiError, match="stop"):
+        validate_completion(decode_completion(b'{"model": "m", "prompt": "x", "stop": ["a","b","c","d","e"]}'), 4, 100)

@@ -1,0 +1,101 @@
+"""Profiles: block bytes = 2·layers·kv_heads·head_dim·dtype_bytes·block_size, GPU KV blocks
+from memory minus weights, 128k context on the H200 profiles, every number sourced, and
+bad profiles refused with the field path.
+
+The block bytes are checked against the formula here and against router/kvsize.py
+(`load_model_geometry` + `kv_size`, `kv_bytes`).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from workers.sim.profile import PROFILES_DIR, ProfileError, load_profile, profile_from_dict
+
+NAMES = ["h200-llama3.1-8b", "h200-llama3.1-70b-tp8", "tiny-cpu"]
+# Published geometry of the models (config.json of each), for an independent check.
+GEOMETRY = {
+    "h200-llama3.1-8b": (32, 8, 128, 2),
+    "h200-llama3.1-70b-tp8": (80, 8, 128, 2),
+    "tiny-cpu": (4, 2, 64, 4),
+}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_block_bytes_formula(name: str) -> None:
+    p = load_profile(name)
+    layers, kv_heads, head_dim, dtype_bytes = GEOMETRY[name]
+    assert p.block_bytes == 2 * layers * kv_heads * head_dim * dtype_bytes * p.block_size
+    assert p.with_block_size(64).block_bytes == 4 * p.block_bytes
+    # capacities are bytes: the pool holds the same memory at any block size
+    assert abs(p.with_block_size(64).gpu_blocks() * 4 - p.gpu_blocks()) < 4
+    assert p.gpu_blocks() == int((p.memory.device_bytes * p.memory.memory_utilization - p.memory.weights_bytes
+                                  - p.memory.reserved_bytes) // p.block_bytes)
+
+
+def test_known_values() -> None:
+    assert load_profile("h200-llama3.1-8b").geometry.bytes_per_token == 131072  # DESIGN.md §1
+    assert load_profile("tiny-cpu").geometry.bytes_per_token == 4096  # FACTS.md
+
+
+@pytest.mark.skipif(importlib.util.find_spec("router.kvsize") is None, reason="router/kvsize.py not written yet")
+@pytest.mark.parametrize("name", NAMES)
+def test_block_bytes_match_router_kvsize(name: str, tmp_path: Path) -> None:
+    """The same number from router.kvsize (a HF config.json of the profile's geometry)."""
+    kvsize = importlib.import_module("router.kvsize")
+    p = load_profile(name)
+    g = p.geometry
+    dtype = {2: "bfloat16", 4: "float32"}[g.dtype_bytes]
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({
+        "num_hidden_layers": g.layers, "num_key_value_heads": g.kv_heads, "num_attention_heads": g.kv_heads * 4,
+        "hidden_size": g.head_dim * g.kv_heads * 4, "head_dim": g.head_dim, "torch_dtype": dtype,
+    }))
+    size = kvsize.kv_size(kvsize.load_model_geometry(str(cfg)), block_size=p.block_size)
+    assert size.bytes_per_token == g.bytes_per_token
+    assert size.bytes_per_block == p.block_bytes
+    assert kvsize.kv_bytes(g.layers, g.kv_heads, g.head_dim, 8 * g.dtype_bytes, tokens=p.block_size) == p.block_bytes
+
+
+@pytest.mark.parametrize("name", NAMES[:2])
+def test_h200_profiles(name: str) -> None:
+    p = load_profile(name)
+    assert p.max_context_tokens == 131072
+    assert p.gpu_blocks() * p.block_size > 4 * 131072  # several full-context requests fit
+    assert p.cpu is not None and p.disk is not None and p.remote is not None and p.peer is not None
+    assert p.cpu.read_Bps > p.remote.read_Bps and p.cpu.read_Bps > p.disk.read_Bps
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_number_is_sourced(name: str) -> None:
+    """Each numeric setting carries its source (or the reason for it) as a comment on its line."""
+    lines = (PROFILES_DIR / f"{name}.yaml").read_text().splitlines()
+    num = re.compile(r"^\s*[a-z_A-Z]+:\s*[-0-9.e+]+\s*(#.*)?$")
+    numeric = [(i, line) for i, line in enumerate(lines) if num.match(line)]
+    assert len(numeric) > 20
+    for i, line in numeric:
+        assert "#" in line, f"{name}.yaml line {i + 1} has no source comment: {line.strip()}"
+
+
+def test_bad_profiles_are_refused_with_the_field() -> None:
+    with pytest.raises(ProfileError, match="unknown profile"):
+        load_profile("no-such-profile")
+    good = load_profile("tiny-cpu")
+    data = {
+        "name": "x", "model": "m", "geometry": {"layers": 1, "kv_heads": 1, "head_dim": 8, "dtype_bytes": 2},
+        "memory": {"device_bytes": 1e6, "memory_utilization": 1.0, "weights_bytes": 0},
+        "compute": {"prefill_tokens_per_s": 1, "prefill_attn_s_per_token2": 0, "prefill_overhead_s": 0,
+                    "decode_base_s": 0, "decode_per_seq_s": 0, "decode_per_ctx_token_s": 0},
+    }
+    assert profile_from_dict(data).block_bytes == 32 * 16
+    with pytest.raises(ProfileError, match="geometry.layers"):
+        profile_from_dict({**data, "geometry": {**data["geometry"], "layers": "many"}})
+    with pytest.raises(ProfileError, match="bogus"):
+        profile_from_dict({**data, "bogus": 1})
+    with pytest.raises(ProfileError, match="no device memory"):
+        profile_from_dict({**data, "memory": {**data["memory"], "weights_bytes": 2e6}})
+    assert good.names()[0] == "kvroute/tiny-llama"

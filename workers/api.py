@@ -1,0 +1,142 @@
+"""The `Engine` interface behind the worker HTTP app (workers/app.py).
+
+One HTTP surface (DESIGN.md §4.3, docs/wire.md) serves every engine: the simulated one
+(workers/sim/driver.py) now, the real torch engine (workers/engine/) later. The app
+speaks OpenAI and the wire contract; an engine only deals in token ids, blocks and
+usage. Everything an engine needs to plug in is here:
+
+- `tokenizer`: text → ids (completions with a text prompt, chat template), ids → text.
+- `generate(GenRequest) -> GenStream`: raises `workers.errors.EngineError` (400/429/503)
+  before accepting; once accepted, the stream yields `GenChunk`s and ends with `usage`
+  set, or raises `EngineError` mid-way (the app sends an error event; never silent).
+- `prefetch`, `cancel_prefetch`, `purge`, `export_blocks`: the `/kv/*` endpoints.
+- `info()`, `load()`: the `/info` (minus URL and event endpoints, which the server adds)
+  and `/load` JSON of docs/wire.md; `counters()`: engine counters for `/metrics`.
+- `draining`: when True, new generations get 503 and `/health` says "draining".
+"""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from workers.usage import Usage
+
+
+@dataclass(slots=True)
+class GenRequest:
+    """A generation as the engine sees it: token ids in, `max_tokens` out."""
+
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    cache_salt: str | None = None
+    shared_prefix_blocks: int = 0
+    lora: str | None = None
+    ignore_eos: bool = False
+
+
+@dataclass(slots=True)
+class GenChunk:
+    """Tokens produced since the previous chunk (one step's worth, or more if the reader lagged)."""
+
+    token_ids: list[int]
+    text: str
+
+
+class GenStream(Protocol):
+    """An accepted generation. Iterate for chunks; `usage`/`finish_reason` are set at the end."""
+
+    request_id: str
+    usage: Usage | None
+    finish_reason: str | None
+
+    def __aiter__(self) -> AsyncIterator[GenChunk]: ...
+
+    def cancel(self) -> None:
+        """The client went away: stop and free everything (idempotent)."""
+        ...
+
+
+@dataclass(slots=True)
+class PeerRef:
+    """A worker to pull KV from (`source_peer` of /kv/prefetch)."""
+
+    url: str
+    worker_id: str | None = None
+
+
+@dataclass(slots=True)
+class PrefetchSpec:
+    prefetch_id: str
+    keys: list[bytes]
+    deadline_s: float  # relative
+    source_peer: PeerRef | None = None
+
+
+@dataclass(slots=True)
+class PrefetchResult:
+    prefetch_id: str
+    accepted_blocks: int
+    queued: bool
+
+
+@dataclass(slots=True)
+class BlockExport:
+    """One block a peer can take: where it sits here and what it weighs (+ metadata if known)."""
+
+    key: bytes
+    tier: str
+    nbytes: int
+    meta: dict[str, Any] | None = None
+
+
+class Tokenizer(Protocol):
+    max_token_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class Engine(Protocol):
+    worker_id: str
+    tokenizer: Tokenizer
+    draining: bool
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    def info(self) -> dict[str, Any]: ...
+
+    def load(self) -> dict[str, Any]: ...
+
+    async def generate(self, req: GenRequest) -> GenStream: ...
+
+    async def prefetch(self, spec: PrefetchSpec) -> PrefetchResult: ...
+
+    def cancel_prefetch(self, prefetch_id: str) -> bool: ...
+
+    def purge(self, cache_salt: str | None, everything: bool) -> int: ...
+
+    def export_blocks(self, keys: list[bytes], with_meta: bool = False) -> list[BlockExport]: ...
+
+    def counters(self) -> dict[str, dict[str, float]]:
+        """Monotonic counters: metric name -> {tier label or "": value}."""
+        ...
+
+
+@dataclass(slots=True)
+class EventsInfo:
+    """Where a worker publishes its KV events (added to /info by the server)."""
+
+    endpoint: str
+    replay_endpoint: str | None
+    topic: str = "kv"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"endpoint": self.endpoint, "replay_endpoint": self.replay_endpoint, "topic": self.topic, **self.extra}
