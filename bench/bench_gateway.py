@@ -11,7 +11,10 @@ Printed:
 - sequential TTFT and E2E, direct vs gateway: median / p99 and the added median;
 - closed-loop throughput at a fixed concurrency, direct vs gateway (req/s);
 - the gateway process's CPU time per routed request (µs), from /proc (user + system),
-  for completions with token ids and for chat (tokenization included).
+  for completions with token ids and for chat (tokenization included), sequential and
+  under concurrency; plus a trivial endpoint back to back vs with idle gaps, which shows
+  what waking an idle process costs on this machine (it dominates the sequential figure:
+  a routed request wakes the gateway ~8 times — request, upstream headers, each chunk).
 Decision time alone is bench/bench_decision.py (the planner's).
 
     .venv/bin/python bench/bench_gateway.py [--requests 300] [--concurrency 16] [--seconds 8]
@@ -167,6 +170,17 @@ async def main_async(a: argparse.Namespace, gw_pid: int, gw_url: str, w_url: str
                        {"model": MODEL, "messages": msgs, "max_tokens": a.max_tokens, "stream": True})
         cpu_chat = per_req(cpu0, tc, a.requests)
         print(f"gateway CPU per routed request (sequential, chat, tokenized here): {cpu_chat * 1e6:.0f} µs")
+
+        # How much of the sequential figure is this machine waking an idle process: the
+        # same trivial endpoint back to back, then with idle gaps between requests.
+        for label, gap in (("back to back", 0.0), ("with 20 ms idle gaps", 0.02)):
+            cpu0, tc = _cpu_s(gw_pid), time.monotonic()
+            for _ in range(200):
+                async with s.get(gw_url + "/health") as r:
+                    await r.read()
+                if gap:
+                    await asyncio.sleep(gap)
+            print(f"  baseline: GET /health {label}: {per_req(cpu0, tc, 200) * 1e6:.0f} µs CPU per request")
 
         print(f"\n== closed loop, concurrency {a.concurrency}, {a.seconds:.0f} s per path")
         for name, base in (("direct", w_url), ("gateway", gw_url)):

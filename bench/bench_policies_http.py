@@ -12,13 +12,14 @@ regime where routing matters: a policy that spreads each document over every wor
 keeps evicting to CPU; one that keeps documents apart keeps them on GPU. TTFT is
 measured by the client (send → first streamed token).
 
-    .venv/bin/python bench/bench_policies_http.py [--workers 4] [--rate 40] [--seconds 20]
+    .venv/bin/python bench/bench_policies_http.py [--workers 4] [--rate 45] [--seconds 30]
         [--policies round_robin,least_loaded,cache_aware,kv_cost]
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import socket
 import subprocess
@@ -112,8 +113,9 @@ def workload(a: argparse.Namespace) -> list[tuple[float, list[int]]]:
     return out
 
 
-async def replay(url: str, model: str, reqs: list[tuple[float, list[int]]], max_tokens: int) -> list[float]:
+async def replay(url: str, model: str, reqs: list[tuple[float, list[int]]], max_tokens: int) -> tuple[list[float], dict[str, int]]:
     ttfts: list[float] = []
+    tokens: dict[str, int] = {}  # prompt tokens by where they came from (usage.kv)
     errors = 0
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=120)) as s:
@@ -125,24 +127,33 @@ async def replay(url: str, model: str, reqs: list[tuple[float, list[int]]], max_
             if delay > 0:
                 await asyncio.sleep(delay)
             start = time.perf_counter()
-            body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+            body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+                    "stream_options": {"include_usage": True}}
             try:
                 async with s.post(url + "/v1/completions", json=body) as r:
                     if r.status != 200:
                         errors += 1
                         return
+                    first = True
                     async for line in r.content:
-                        if line.startswith(b"data: {"):
+                        if not line.startswith(b"data: {"):
+                            continue
+                        if first:
                             ttfts.append(time.perf_counter() - start)
-                            break
-                    await r.read()
+                            first = False
+                        if b'"usage"' in line:
+                            kv = json.loads(line[6:]).get("usage", {}).get("kv") or {}
+                            for tier, n in (kv.get("loaded_tokens") or {}).items():
+                                tokens[tier] = tokens.get(tier, 0) + n
+                            tokens["recomputed"] = tokens.get("recomputed", 0) + kv.get("recomputed_tokens", 0)
+                            tokens["prefetched"] = tokens.get("prefetched", 0) + kv.get("prefetched_tokens", 0)
             except aiohttp.ClientError:
                 errors += 1
 
         await asyncio.gather(*(one(at, p) for at, p in reqs))
     if errors:
         print(f"  ({errors} requests failed)")
-    return ttfts
+    return ttfts, tokens
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -154,8 +165,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--policies", default="round_robin,least_loaded,prefix_hash,cache_aware,dynamo,kv_cost")
-    ap.add_argument("--rate", type=float, default=30.0, help="requests per second (Poisson)")
-    ap.add_argument("--seconds", type=float, default=20.0)
+    ap.add_argument("--rate", type=float, default=45.0, help="requests per second (Poisson)")
+    ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--docs", type=int, default=16)
     ap.add_argument("--doc-tokens", type=int, default=4096)
     ap.add_argument("--question-tokens", type=int, default=64)
@@ -182,18 +193,22 @@ def main() -> int:
             gw, url = _start_gateway(tmp, policy, urls, profile, model)
             try:
                 asyncio.run(_ready(url, a.workers))
-                ttfts = asyncio.run(replay(url, model, reqs, a.max_tokens))
+                ttfts, tokens = asyncio.run(replay(url, model, reqs, a.max_tokens))
             finally:
                 gw.terminate()
                 fleet.terminate()
                 gw.wait(10)
                 fleet.wait(10)
-            row = (policy, len(ttfts), _pct(ttfts, 0.5) * 1000, _pct(ttfts, 0.99) * 1000)
+            row = (policy, len(ttfts), _pct(ttfts, 0.5) * 1000, _pct(ttfts, 0.99) * 1000, _pct(ttfts, 0.9) * 1000,
+                   sum(ttfts) / max(1, len(ttfts)) * 1000)
             rows.append(row)
-            print(f"  {policy:14s} done: p50 {row[2]:8.1f} ms  p99 {row[3]:8.1f} ms", flush=True)
-    print(f"\n{'policy':14s} {'n':>5s} {'TTFT p50 ms':>12s} {'TTFT p99 ms':>12s}")
-    for p, n, p50, p99 in rows:
-        print(f"{p:14s} {n:5d} {p50:12.1f} {p99:12.1f}")
+            total = sum(v for k, v in tokens.items() if k != "prefetched") or 1
+            mix = " ".join(f"{k}={100 * v / total:.0f}%" for k, v in sorted(tokens.items()) if v and k != "prefetched")
+            print(f"  {policy:14s} done: p50 {row[2]:8.1f} ms  p99 {row[3]:8.1f} ms   prompt tokens: {mix}"
+                  f" (prefetched {tokens.get('prefetched', 0)})", flush=True)
+    print(f"\n{'policy':14s} {'n':>5s} {'TTFT p50 ms':>12s} {'TTFT p90 ms':>12s} {'TTFT p99 ms':>12s} {'mean ms':>9s}")
+    for p, n, p50, p99, p90, mean in rows:
+        print(f"{p:14s} {n:5d} {p50:12.1f} {p90:12.1f} {p99:12.1f} {mean:9.1f}")
     by = {r[0]: r for r in rows}
     if "kv_cost" in by:
         k = by["kv_cost"]

@@ -14,6 +14,13 @@ Decoding is msgspec's (C) on the fast path: the whole batch in one typed call.
 If that fails, the batch is decoded event by event so one bad event costs only
 itself; the bad ones are reported in `DecodedBatch.errors`, never raised.
 
+`EventDecoder(lazy=True)` yields `LazyBlockStored` instead of `BlockStored`:
+`token_ids` and `extra_keys` stay msgpack (`msgspec.Raw`, skipped in C, no Python
+int per token) until `materialize()`. It is for workers whose block hashes are
+our own digests (`PrefixIndex.add_worker(trusted_digests=True)`): the index
+needs their tokens only for the events it samples for verification, and
+building the token ints is most of the eager decoder's cost.
+
 Encoding reproduces vLLM's struct layout byte for byte (field order, tags,
 `omit_defaults`), so a subscriber built for vLLM reads our workers unchanged.
 """
@@ -57,6 +64,59 @@ class AllBlocksCleared(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
 
 KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
 
+class EventDecodeError(ValueError):
+    """The payload as a whole is not an event batch (bad msgpack or wrong shape), or a
+    lazy event's deferred fields are malformed (`LazyBlockStored.materialize`)."""
+
+
+_NIL = msgspec.Raw(b"\xc0")  # msgpack nil: an absent `extra_keys`
+_TOKENS_DEC = msgspec.msgpack.Decoder(list[int])
+_EXTRAS_DEC = msgspec.msgpack.Decoder(Union[list[Union[tuple[Any, ...], None]], None])
+
+
+class LazyBlockStored(msgspec.Struct, tag="BlockStored", omit_defaults=True, gc=False):
+    """A `BlockStored` whose `token_ids` and `extra_keys` are still msgpack.
+
+    What `EventDecoder(lazy=True)` yields (see the module doc). Their content is
+    unchecked until `materialize()`, which validates exactly as the eager decoder does.
+    """
+
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: msgspec.Raw
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: msgspec.Raw = _NIL
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+    def materialize(self) -> BlockStored:
+        """The eager `BlockStored`; EventDecodeError when the deferred fields are malformed."""
+        try:
+            tokens = _TOKENS_DEC.decode(self.token_ids)
+            extra = _EXTRAS_DEC.decode(self.extra_keys)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise EventDecodeError(f"BlockStored: {e}") from None
+        return BlockStored(
+            self.block_hashes,
+            self.parent_block_hash,
+            tokens,
+            self.block_size,
+            self.lora_id,
+            self.medium,
+            self.lora_name,
+            extra,
+            self.group_idx,
+            self.kv_cache_spec_kind,
+            self.kv_cache_spec_sliding_window,
+        )
+
+
+LazyKVEvent = Union[LazyBlockStored, BlockRemoved, AllBlocksCleared]
+
 
 class _BlockStoredPos(msgspec.Struct, tag="BlockStored", array_like=True, gc=False):
     block_hashes: list[BlockHash]
@@ -85,28 +145,46 @@ class _AllBlocksClearedPos(msgspec.Struct, tag="AllBlocksCleared", array_like=Tr
 _PosEvent = Union[_BlockStoredPos, _BlockRemovedPos, _AllBlocksClearedPos]
 
 
-class _BatchArrMap(msgspec.Struct, array_like=True, gc=False):
-    ts: float
-    events: list[KVEvent]
-    data_parallel_rank: int | None = None
+class _LazyBlockStoredPos(msgspec.Struct, tag="BlockStored", array_like=True, gc=False):
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: msgspec.Raw
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: msgspec.Raw = _NIL
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
 
 
-class _BatchArrPos(msgspec.Struct, array_like=True, gc=False):
-    ts: float
-    events: list[_PosEvent]
-    data_parallel_rank: int | None = None
+_LazyPosEvent = Union[_LazyBlockStoredPos, _BlockRemovedPos, _AllBlocksClearedPos]
 
 
-class _BatchMapMap(msgspec.Struct, gc=False):
-    ts: float
-    events: list[KVEvent]
-    data_parallel_rank: int | None = None
+def _batch(name: str, events: Any, array_like: bool) -> type[msgspec.Struct]:
+    """A batch struct `(ts, events, data_parallel_rank)` whose events decode as `events`."""
+    return msgspec.defstruct(
+        name,
+        [("ts", float), ("events", list[events]), ("data_parallel_rank", Union[int, None], None)],
+        array_like=array_like,
+        gc=False,
+    )
 
 
-class _BatchMapPos(msgspec.Struct, gc=False):
-    ts: float
-    events: list[_PosEvent]
-    data_parallel_rank: int | None = None
+# (batch is an array, events are positional) -> batch struct, eager and lazy
+_BATCHES: dict[tuple[bool, bool], type[msgspec.Struct]] = {
+    (arr, pos): _batch(f"_Batch{'Arr' if arr else 'Map'}{'Pos' if pos else 'Map'}", _PosEvent if pos else KVEvent, arr)
+    for arr in (True, False)
+    for pos in (True, False)
+}
+_LAZY_BATCHES: dict[tuple[bool, bool], type[msgspec.Struct]] = {
+    (arr, pos): _batch(
+        f"_LazyBatch{'Arr' if arr else 'Map'}{'Pos' if pos else 'Map'}", _LazyPosEvent if pos else LazyKVEvent, arr
+    )
+    for arr in (True, False)
+    for pos in (True, False)
+}
 
 
 class _BatchArrRaw(msgspec.Struct, array_like=True, gc=False):
@@ -121,7 +199,21 @@ class _BatchMapRaw(msgspec.Struct, gc=False):
     data_parallel_rank: int | None = None
 
 
-def _to_public(ev: Any) -> KVEvent:
+def _to_public(ev: Any) -> KVEvent | LazyBlockStored:
+    if isinstance(ev, _LazyBlockStoredPos):
+        return LazyBlockStored(
+            ev.block_hashes,
+            ev.parent_block_hash,
+            ev.token_ids,
+            ev.block_size,
+            ev.lora_id,
+            ev.medium,
+            ev.lora_name,
+            ev.extra_keys,
+            ev.group_idx,
+            ev.kv_cache_spec_kind,
+            ev.kv_cache_spec_sliding_window,
+        )
     if isinstance(ev, _BlockStoredPos):
         return BlockStored(
             ev.block_hashes,
@@ -145,16 +237,15 @@ def _to_public(ev: Any) -> KVEvent:
 
 @dataclass(slots=True)
 class DecodedBatch:
-    """One payload's events, in order, plus what could not be decoded."""
+    """One payload's events, in order, plus what could not be decoded.
+
+    `events` holds `LazyBlockStored` instead of `BlockStored` from a lazy decoder.
+    """
 
     ts: float
-    events: list[KVEvent]
+    events: list[KVEvent | LazyBlockStored]
     data_parallel_rank: int | None = None
     errors: list[str] = field(default_factory=list)
-
-
-class EventDecodeError(ValueError):
-    """The payload as a whole is not an event batch (bad msgpack or wrong shape)."""
 
 
 def _is_array(buf: bytes | memoryview) -> bool:
@@ -165,19 +256,18 @@ def _is_array(buf: bytes | memoryview) -> bool:
 
 
 class EventDecoder:
-    """Decodes payloads of any supported encoding; reusable, not thread-safe."""
+    """Decodes payloads of any supported encoding; reusable, not thread-safe.
 
-    def __init__(self) -> None:
+    `lazy=True`: `BlockStored` events come out as `LazyBlockStored` (module doc).
+    """
+
+    def __init__(self, lazy: bool = False) -> None:
         dec = msgspec.msgpack.Decoder
-        self._fast = {
-            (True, False): dec(_BatchArrMap),
-            (True, True): dec(_BatchArrPos),
-            (False, False): dec(_BatchMapMap),
-            (False, True): dec(_BatchMapPos),
-        }
+        self.lazy = lazy
+        self._fast = {k: dec(t) for k, t in (_LAZY_BATCHES if lazy else _BATCHES).items()}
         self._raw = {True: dec(_BatchArrRaw), False: dec(_BatchMapRaw)}
-        self._ev_map = dec(KVEvent)
-        self._ev_pos = dec(_PosEvent)
+        self._ev_map = dec(LazyKVEvent if lazy else KVEvent)
+        self._ev_pos = dec(_LazyPosEvent if lazy else _PosEvent)
         # The encoding a publisher used last time: tried first next time.
         self._last_events_pos = False
 

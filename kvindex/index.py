@@ -2,28 +2,64 @@
 
 Layout (why it is compact and fast)
 -----------------------------------
-One dict (split in 256 shards, see `_SHARD_BITS`) maps a block's 64-bit digest to
-one Python int, its *record*:
+A dict (split in 256 shards, see `_SHARD_BITS`) maps a block's 64-bit digest to
+a bitmap of its holders: bit `4*s + t` says the worker in slot `s` holds the
+block in local tier `t` (0 GPU, 1 CPU, 2 DISK), and bit `4*g + 3` says remote
+group `g` holds it (REMOTE is shared: every member worker can load it). Slots
+are handed out lowest first, so a fleet of 64 workers keeps bitmaps within 256
+bits, and bitmap values are interned: the many blocks with the same holders
+share one int object, which a lookup then finds in cache. A second sharded dict
+keeps the full 32-byte key of each block keyed through the verified path (below),
+needed only to chain the keys of children that later events store. A block costs
+about 200 bytes whatever the number of holders (bench/bench_index.py measures
+it), less without a full key; a holder adds one bit. Each worker keeps a map
+engine-hash -> digest(s) so `BlockRemoved` applies; it stays empty for engines
+that publish our digests (our own workers). A block its worker already holds (a
+copy to another tier) is recognised by its engine hash and not keyed again.
 
-    record = (bitmap << 32) | key_slot
+Two ways in: verified and trusted
+---------------------------------
+Verified (the default, and the only way for foreign engines such as vLLM, whose
+hashes are seeded and algorithm-dependent): each `BlockStored` is keyed from its
+`token_ids` with our chained SHA-256 keys under the worker's namespace, chaining
+from the parent's full key (~1 us per block in Python), and the engine's hashes
+are mapped to our digests.
 
-The bitmap gives every holder a 4-bit nibble: bit `4*s + t` says the worker in
-slot `s` holds the block in local tier `t` (0 GPU, 1 CPU, 2 DISK), and bit
-`4*g + 3` says remote group `g` holds it (REMOTE is shared: every member worker
-can load it). Slots are handed out lowest first, so a fleet of 64 workers keeps
-bitmaps within 256 bits. `key_slot` points into one bytearray of 32-byte full
-keys, needed only to chain the keys of children that later events store (keys
-are recomputed from `token_ids`, never trusted from the engine). A block costs
-about 170 bytes whatever the number of holders (bench/bench_index.py measures
-it); a holder adds one bit. Each worker keeps a map engine-hash -> digest(s) so
-`BlockRemoved` applies; it stays empty for engines that publish our digests
-(our own workers), which is most of a vLLM worker's per-entry footprint.
+Trusted (`add_worker(trusted_digests=True)`, for our own workers: they key blocks
+with `kvindex.keys` and publish `digest64` of their keys as block hashes and the
+parent's as `parent_block_hash`, docs/wire.md): a `BlockStored` at the index block
+size whose hashes are 64-bit ints is applied as it is: no token decoding (with
+`EventDecoder(lazy=True)`), no SHA-256, no engine-hash map, no full keys. Any other
+event of that worker (a multiple block size, bytes hashes, anything unexpected)
+takes the verified path. Orphans follow the verified path's rule (the parent must
+be live unless the worker already holds every block), so both paths give the same
+answers for a well-behaved worker.
+A misconfigured worker (namespace drift: another model revision, dtype, block size
+...) would publish digests the router never computes, so the first chain-root
+event (`parent_block_hash` None: verifiable without any stored key) and then 1 in
+`verify_every` of them (a deterministic count) are recomputed from their tokens
+under the worker's namespace. On a mismatch `digest_mismatches` is counted, the
+worker's entries are dropped (`clear_worker`) and the worker stays on the verified
+path for good: still indexed, only slower. Non-root events are never verified.
+Consequence of keeping no full keys: a verified child chains only from a parent
+whose full key is stored, otherwise it is an orphan. Parents are per publisher: a
+vLLM worker's parent is found through its own engine-hash map, so it is a block
+that worker keyed itself through the verified path, which stores the full key of
+every block it keys (even one a trusted worker indexed first) and keeps it while
+the digest is indexed. So a vLLM chain never hangs from a block that only a
+trusted worker stored; the one exception is a parent whose digest left the index
+altogether (e.g. a REMOTE-only copy dropped) and was re-added by a trusted worker:
+the child is then counted as an orphan. A non-trusted worker publishing our
+digests (a mixed fleet) may chain from any live holder's block, and likewise not
+from one that only trusted workers stored.
 
-A query walks the request's digests in order and only does bit arithmetic where
-the bitmap changes from one block to the next (a few times per prompt), so the
-per-block cost is one dict lookup, one shift and one int compare. Where it
-changes, one fold tells which workers stop matching and one XOR which workers
-change tier, so the cost grows with the number of changes, not workers x blocks.
+A query looks all the request's digests up in one comprehension, then walks the runs of
+equal bitmaps (`groupby`) and only does bit arithmetic where the bitmap changes
+(a few times per prompt): one fold tells which workers stop matching and one XOR
+which workers change tier, so the cost grows with the number of changes, not
+workers x blocks. At 10M blocks the lookups themselves dominate (a few dependent
+cache misses each); shards cost some locality, the price of never stalling the
+loop for seconds when CPython resizes a 10M-entry dict.
 
 Removing or clearing a worker is O(1): its slot is retired (masked out of every
 query at once) and a fresh one is handed out; retired bits are swept from the
@@ -41,46 +77,48 @@ other coroutine. A multi-threaded host must wrap calls in one lock.
 from __future__ import annotations
 
 import heapq
-from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import groupby
+from itertools import groupby, repeat
 from typing import Any
 
-import numpy as np
-
-from .events import AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch, KVEvent
+from .events import AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch, EventDecodeError, KVEvent, LazyBlockStored
 from .keys import KEY_BYTES, ROOT_KEY, BlockHasher, digests64, tokens_to_bytes
 from .tiers import Tier, tier_of_medium
 
 _LOCAL_TIERS = (Tier.GPU, Tier.CPU, Tier.DISK)
 _REMOTE_BIT = 3  # nibble bit of a remote group
-_SLOT_BITS = 32  # low bits of a record: the full key's slot
-_KEY_MASK = (1 << _SLOT_BITS) - 1
-_ONE32 = 1 << _SLOT_BITS
+_INTERN_MAX = 1 << 20  # distinct bitmaps kept canonical before the table starts over
 # Fastest tier present in a nibble (lowest set bit); index 0 means "none".
 _NIBBLE_TIER: tuple[Tier | None, ...] = tuple(
     None if n == 0 else Tier(min(b for b in range(4) if n >> b & 1)) for n in range(16)
 )
-# The digest -> record map is split over this many dicts by the digest's low bits, so
-# that a dict resize (CPython rebuilds a dict's whole table when it grows or has used
-# up its free slots) stalls the event loop for ~1/256 of the index: ~10 ms at 10M
-# blocks instead of ~2 s.
+# The digest -> bitmap and digest -> key maps are each split over this many dicts by
+# the digest's low bits, so that a dict resize (CPython rebuilds a dict's whole table
+# when it grows or has used up its free slots) stalls the event loop for ~1/256 of the
+# index: ~10 ms at 10M blocks instead of ~2 s.
 _SHARD_BITS = 8
 _SHARD_MASK = (1 << _SHARD_BITS) - 1
 # Sweep work done per applied block while a pass is pending (plus a floor per call).
 _SWEEP_PER_BLOCK = 8
 _SWEEP_FLOOR = 2048
+_MAX_DIGEST = (1 << 64) - 1
+# A trusted worker's chain roots recomputed for verification: 1 in this many (the first always).
+DEFAULT_VERIFY_EVERY = 32
 
 
-def _lookup(shards: list[dict[int, int]], ds: Iterable[int]) -> list[int | None]:
-    """Records of many digests (None where absent), in C loops."""
-    return list(map(dict.get, map(shards.__getitem__, map(_SHARD_MASK.__and__, ds)), ds))
+# _lookup/_insert are plain comprehensions and loops on purpose: CPython 3.11+ specialises
+# `shards[d & M].get(d)` and `shard[d] = v` in the interpreter, which is 2-4x faster than
+# `map()` over the slot wrappers `list.__getitem__` / `dict.__setitem__`.
+def _lookup(shards: list[dict[int, Any]], ds: Iterable[int]) -> list[Any]:
+    """Values of many digests (None where absent)."""
+    return [shards[d & _SHARD_MASK].get(d) for d in ds]
 
 
-def _insert(shards: list[dict[int, int]], ds: Iterable[int], recs: Iterable[int]) -> None:
-    """Set many records, in C loops."""
-    deque(map(dict.__setitem__, map(shards.__getitem__, map(_SHARD_MASK.__and__, ds)), ds, recs), maxlen=0)
+def _insert(shards: list[dict[int, Any]], ds: Iterable[int], values: Iterable[Any]) -> None:
+    """Set many values."""
+    for d, v in zip(ds, values):
+        shards[d & _SHARD_MASK][d] = v
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +146,8 @@ class ApplyStats:
 
     `stored` / `removed` count engine blocks named by events; `ignored` counts
     events of other KV-cache groups (hybrid models: only group 0 is indexed).
+    `digests_verified` counts a trusted worker's chain-root events recomputed from
+    their tokens, `digest_mismatches` those whose digests differed (module doc).
     """
 
     stored: int = 0
@@ -118,6 +158,8 @@ class ApplyStats:
     unknown_medium: int = 0
     bad_events: int = 0
     ignored: int = 0
+    digests_verified: int = 0
+    digest_mismatches: int = 0
 
     def add(self, other: ApplyStats) -> None:
         self.stored += other.stored
@@ -128,6 +170,8 @@ class ApplyStats:
         self.unknown_medium += other.unknown_medium
         self.bad_events += other.bad_events
         self.ignored += other.ignored
+        self.digests_verified += other.digests_verified
+        self.digest_mismatches += other.digest_mismatches
 
 
 @dataclass(slots=True)
@@ -146,6 +190,9 @@ class WorkerIndexStats:
     bad_events: int
     ignored: int = 0
     engine_map: int = 0
+    trusted_digests: bool = False  # now: False from the start, or since a mismatch
+    digests_verified: int = 0
+    digest_mismatches: int = 0
 
 
 @dataclass(slots=True)
@@ -158,6 +205,9 @@ class _Worker:
     block_size: int
     hasher: BlockHasher
     draining: bool = False
+    trusted: bool = False  # block hashes are applied as our digests (module doc)
+    verify_every: int = DEFAULT_VERIFY_EVERY
+    until_verify: int = 0  # chain roots to let pass before the next verification
     # engine hash -> our digest (int), or digests (tuple) when the engine block spans several
     emap: dict[int | bytes, int | tuple[int, ...]] = field(default_factory=dict)
     counts: list[int] = field(default_factory=lambda: [0, 0, 0])
@@ -166,11 +216,15 @@ class _Worker:
 
 @dataclass(slots=True)
 class _SweepPass:
-    """An incremental sweep over a snapshot of the digests."""
+    """An incremental sweep, shard by shard, each over a snapshot of its digests.
+
+    Digests added after a snapshot cannot carry the retired slots' bits.
+    """
 
     slots: list[int]
-    clear: int  # record bits to erase (retired slots' nibbles, shifted past the key slot)
-    digests: list[int]
+    clear: int  # bitmap bits to erase (retired slots' nibbles)
+    shard: int = 0  # next shard to snapshot
+    digests: list[int] = field(default_factory=list)
     pos: int = 0
 
 
@@ -191,9 +245,9 @@ class PrefixIndex:
         nibbles = ((1 << (4 * max_workers)) - 1) // 15  # bit 0 of every nibble
         self._local_mask = nibbles * 7
         self._remote_mask = nibbles << _REMOTE_BIT
-        self._shards: list[dict[int, int]] = [{} for _ in range(_SHARD_MASK + 1)]  # digest -> record
-        self._keys = bytearray()  # full keys, 32 bytes per key slot
-        self._free_keys: list[int] = []
+        self._shards: list[dict[int, int]] = [{} for _ in range(_SHARD_MASK + 1)]  # digest -> bitmap
+        self._kshards: list[dict[int, bytes]] = [{} for _ in range(_SHARD_MASK + 1)]  # digest -> full key
+        self._interned: dict[int, int] = {}  # one object per distinct bitmap value
         self._workers: dict[str, _Worker] = {}
         self._by_slot: dict[int, _Worker] = {}
         self._free_slots: list[int] = list(range(max_workers))  # a heap: lowest first
@@ -214,18 +268,30 @@ class PrefixIndex:
     # ------------------------------------------------------------------ lifecycle
 
     def add_worker(
-        self, worker_id: str, ns_digest: bytes, block_size: int | None = None, remote_group: str | None = None
+        self,
+        worker_id: str,
+        ns_digest: bytes,
+        block_size: int | None = None,
+        remote_group: str | None = None,
+        trusted_digests: bool = False,
+        verify_every: int = DEFAULT_VERIFY_EVERY,
     ) -> None:
         """Register a worker serving the model whose namespace digest is `ns_digest`.
 
         `block_size` is the worker's own (engine) block size; it must be a multiple
         of the index's, each engine block then being split into index blocks.
         Workers naming the same `remote_group` share its REMOTE tier.
+        `trusted_digests`: the worker keys blocks with `kvindex.keys` and publishes
+        `digest64` of its keys as block hashes (our engines, kind "kvroute"), so they
+        are applied as they are; 1 in `verify_every` of its chain-root events is
+        recomputed to catch a misconfigured worker (see the module doc).
         """
         if worker_id in self._workers:
             raise IndexError_(f"worker {worker_id!r} is already registered")
         if len(ns_digest) != KEY_BYTES:
             raise IndexError_(f"worker {worker_id!r}: the namespace digest must be {KEY_BYTES} bytes")
+        if type(verify_every) is not int or verify_every < 1:
+            raise IndexError_(f"worker {worker_id!r}: verify_every must be a positive int, got {verify_every!r}")
         bs = block_size or self.block_size
         if bs < 0 or bs % self.block_size:
             raise IndexError_(
@@ -246,7 +312,8 @@ class PrefixIndex:
         hasher = self._hashers.get(ns_digest)
         if hasher is None:
             hasher = self._hashers[ns_digest] = BlockHasher(ns_digest, self.block_size)
-        w = _Worker(worker_id, slot, group, gslot, ns_digest, bs, hasher)
+        w = _Worker(worker_id, slot, group, gslot, ns_digest, bs, hasher, trusted=bool(trusted_digests))
+        w.verify_every = verify_every
         self._workers[worker_id] = w
         self._activate(w)
 
@@ -291,6 +358,11 @@ class PrefixIndex:
 
     def has_worker(self, worker_id: str) -> bool:
         return worker_id in self._workers
+
+    def trusts_digests(self, worker_id: str) -> bool:
+        """Whether the worker's block hashes are applied as digests now (False if unknown)."""
+        w = self._workers.get(worker_id)
+        return w is not None and w.trusted
 
     def _get(self, worker_id: str) -> _Worker:
         w = self._workers.get(worker_id)
@@ -347,7 +419,7 @@ class PrefixIndex:
         clear = 0
         for s in slots:
             clear |= 7 << (4 * s)
-        self._sweep = _SweepPass(slots, clear << _SLOT_BITS, [d for shard in self._shards for d in shard])
+        self._sweep = _SweepPass(slots, clear)
         self._retired = []
         self._retired_entries = 0
 
@@ -378,26 +450,35 @@ class PrefixIndex:
         if sw is None:
             return
         shards = self._shards
-        free_keys = self._free_keys
         clear = sw.clear
         keep = ~clear
-        end = len(sw.digests) if budget is None else min(len(sw.digests), sw.pos + budget)
-        for d in sw.digests[sw.pos : end]:
-            shard = shards[d & _SHARD_MASK]
-            v = shard.get(d)
-            if v is not None and v & clear:
-                v &= keep
-                if v < _ONE32:
-                    del shard[d]
-                    free_keys.append(v)
-                else:
-                    shard[d] = v
-        sw.pos = end
-        if end >= len(sw.digests):
-            for s in sw.slots:
-                heapq.heappush(self._free_slots, s)
-            self._sweep = None
-            self.sweeps += 1
+        intern = self._intern
+        while budget is None or budget > 0:
+            if sw.pos >= len(sw.digests):
+                if sw.shard > _SHARD_MASK:
+                    for slot in sw.slots:
+                        heapq.heappush(self._free_slots, slot)
+                    self._sweep = None
+                    self.sweeps += 1
+                    return
+                sw.digests = list(shards[sw.shard])
+                sw.shard += 1
+                sw.pos = 0
+                continue
+            end = len(sw.digests) if budget is None else min(len(sw.digests), sw.pos + budget)
+            for d in sw.digests[sw.pos : end]:
+                shard = shards[d & _SHARD_MASK]
+                v = shard.get(d)
+                if v is not None and v & clear:
+                    v &= keep
+                    if v:
+                        shard[d] = intern(v)
+                    else:
+                        del shard[d]
+                        self._kshards[d & _SHARD_MASK].pop(d, None)
+            if budget is not None:
+                budget -= end - sw.pos
+            sw.pos = end
 
     # ------------------------------------------------------------------ events
 
@@ -417,7 +498,7 @@ class PrefixIndex:
         for ev in events:
             cls = type(ev)
             try:
-                if cls is BlockStored:
+                if cls is LazyBlockStored or cls is BlockStored:
                     work += self._stored(w, ev, st)
                 elif cls is BlockRemoved:
                     work += self._removed(w, ev, st)
@@ -444,9 +525,16 @@ class PrefixIndex:
             return 1 << (4 * w.gslot + _REMOTE_BIT), 3
         return 1 << (4 * w.slot + int(tier)), int(tier)
 
-    def _key_of(self, record: int) -> bytes:
-        i = (record & _KEY_MASK) * KEY_BYTES
-        return bytes(self._keys[i : i + KEY_BYTES])
+    def _intern(self, v: int) -> int:
+        """The canonical object for a bitmap value: blocks share it, so a lookup
+        finds it in cache instead of chasing one object per block."""
+        interned = self._interned
+        x = interned.get(v)
+        if x is None:
+            if len(interned) >= _INTERN_MAX:
+                interned.clear()  # only an optimisation: values stay correct
+            x = interned[v] = v
+        return x
 
     def _parent_key(self, w: _Worker, parent: Any) -> bytes | None:
         """Full key of the parent block, or None when it is unknown (an orphan)."""
@@ -463,9 +551,10 @@ class PrefixIndex:
         else:
             d = m[-1] if type(m) is tuple else m
         v = self._shards[d & _SHARD_MASK].get(d)
-        if v is None or not (v >> _SLOT_BITS) & self._live:
+        if v is None or not v & self._live:
             return None
-        return self._key_of(v)
+        # None when only trusted workers stored it: they keep no full keys (module doc)
+        return self._kshards[d & _SHARD_MASK].get(d)
 
     def _extras(self, ev: BlockStored, n: int, k: int) -> list[Any] | None | bool:
         """Per-index-block extra keys for a stored event (False: malformed)."""
@@ -489,10 +578,124 @@ class PrefixIndex:
             out.extend([rest if (rest and e and e[0] == lora) else None] * (k - 1))
         return out
 
-    def _stored(self, w: _Worker, ev: BlockStored, st: ApplyStats) -> int:
+    def _stored(self, w: _Worker, ev: BlockStored | LazyBlockStored, st: ApplyStats) -> int:
         if ev.group_idx:
             st.ignored += 1
             return 0
+        if w.trusted:
+            done = self._stored_trusted(w, ev, st)
+            if done is not None:
+                return done
+        if type(ev) is LazyBlockStored:
+            try:
+                ev = ev.materialize()
+            except EventDecodeError:
+                st.bad_events += 1
+                return 0
+        return self._stored_verified(w, ev, st)
+
+    def _stored_trusted(self, w: _Worker, ev: BlockStored | LazyBlockStored, st: ApplyStats) -> int | None:
+        """A trusted worker's event applied as it is; None: take the verified path.
+
+        Only events at the index block size whose hashes are all 64-bit ints qualify.
+        The orphan rule is the verified path's (a parent must be live unless the
+        worker already holds every block), so both paths give the same answers.
+        """
+        hashes = ev.block_hashes
+        if ev.block_size != self.block_size or type(hashes) is not list:
+            return None
+        n = len(hashes)
+        if not n:
+            return 0
+        try:
+            lo = min(hashes)
+            hi = max(hashes)
+        except TypeError:  # ints mixed with bytes
+            return None
+        if type(lo) is not int or type(hi) is not int or lo < 0 or hi > _MAX_DIGEST:
+            return None
+        parent = ev.parent_block_hash
+        if parent is None:
+            if w.until_verify > 0:
+                w.until_verify -= 1
+            else:
+                ok = self._verify_root(w, ev, st)
+                if ok is None:
+                    st.bad_events += 1
+                    return 0
+                if not ok:
+                    return None  # the worker is on the verified path from now on
+        bit, ti = self._tier_bit(w, ev.medium, st)
+        if parent is not None and not self._parent_live(w, parent) and not self._holds_all(w, hashes):
+            st.orphans += n
+            return 0
+        added = self._set_bits(hashes, None, bit, distinct=False)  # a publisher may repeat one
+        if ti == 3:
+            self._remote_counts[w.gslot] = self._remote_counts.get(w.gslot, 0) + added
+        else:
+            w.counts[ti] += added
+        st.stored += n
+        return n
+
+    def _verify_root(self, w: _Worker, ev: BlockStored | LazyBlockStored, st: ApplyStats) -> bool | None:
+        """Recompute a trusted worker's chain-root event from its tokens.
+
+        True: the digests match. False: they do not; the worker's entries are dropped
+        and it is switched to the verified path for good. None: the event is malformed
+        (no verdict; the next chain root is checked instead).
+        """
+        if type(ev) is LazyBlockStored:
+            try:
+                ev = ev.materialize()
+            except EventDecodeError:
+                return None
+        hashes = ev.block_hashes
+        n = len(hashes)
+        tokens = ev.token_ids
+        B = self.block_size
+        if type(tokens) is not list or len(tokens) < n * B:
+            return None
+        extras = self._extras(ev, n, 1)
+        if extras is False:
+            return None
+        try:
+            buf = tokens_to_bytes(tokens[: n * B])
+            states = None if extras is None else w.hasher.states_for(extras, n)  # type: ignore[arg-type]
+            keys = w.hasher.chain(buf, n, states, ROOT_KEY)
+        except (OverflowError, TypeError, ValueError):
+            return None
+        w.until_verify = w.verify_every - 1
+        st.digests_verified += 1
+        if digests64(keys) == hashes:
+            return True
+        st.digest_mismatches += 1
+        self.clear_worker(w.worker_id)
+        w.trusted = False
+        return False
+
+    def _parent_live(self, w: _Worker, parent: Any) -> bool:
+        """A trusted worker's parent is indexed and held by a live holder (no key needed)."""
+        d = parent
+        if w.emap:  # engine blocks it stored through the verified path
+            try:
+                m = w.emap.get(parent)
+            except TypeError:
+                return False
+            if m is not None:
+                d = m[-1] if type(m) is tuple else m
+        if type(d) is not int:
+            return False
+        return bool(self._shards[d & _SHARD_MASK].get(d, 0) & self._live)
+
+    def _holds_all(self, w: _Worker, ds: list[int]) -> bool:
+        """The worker holds every one of these digests already (locally or in its group)."""
+        recs = _lookup(self._shards, ds)
+        if None in recs:
+            return False
+        held = (7 << (4 * w.slot)) | (1 << (4 * w.gslot + _REMOTE_BIT))
+        return True
+
+    def _stored_verified(self, w: _Worker, ev: BlockStored, st: ApplyStats) -> int:
         hashes = ev.block_hashes
         n = len(hashes)
         ebs = ev.block_size
@@ -527,9 +730,8 @@ class PrefixIndex:
             except (OverflowError, TypeError, ValueError):
                 st.bad_events += 1
                 return 0
-            joined = b"".join(keys)
-            ds = np.frombuffer(joined, dtype="<u8")[:: KEY_BYTES // 8].tolist()  # digests64, reusing the join
-            added = self._set_bits(ds, keys, bit, joined)
+            ds = digests64(keys)
+            added = self._set_bits(ds, keys, bit)
             try:
                 if k == 1:
                     if hashes != ds:
@@ -574,91 +776,71 @@ class PrefixIndex:
         if None in recs:
             return None
         # Our own workers publish our digests: trust them only where this worker holds them.
-        held = ((7 << (4 * w.slot)) | (1 << (4 * w.gslot + _REMOTE_BIT))) << _SLOT_BITS
-        if not all(map(held.__and__, recs)) or k != 1:
+        held = (7 << (4 * w.slot)) | (1 << (4 * w.gslot + _REMOTE_BIT))
+        if not all([r & held for r in recs]) or k != 1:
             return None
         return hashes
 
-    def _set_bits(
-        self, ds: list[int], keys: Sequence[bytes] | None, bit: int, joined: bytes | None = None, distinct: bool = True
-    ) -> int:
-        """Set `bit` on every digest, inserting new ones with their keys; returns bits added.
+    def _set_bits(self, ds: list[int], keys: Sequence[bytes] | None, bit: int, distinct: bool = True) -> int:
+        """Set `bit` on every digest, inserting new ones; returns bits added.
 
-        `keys` may be None when every digest is known to be indexed already;
-        `joined` is `b"".join(keys)` when the caller has it; `distinct` says the
-        digests cannot repeat (a key chain), which spares a check.
+        `keys`: the digests' full keys, kept for the digests that have none yet (so
+        every block keyed through the verified path can parent a verified child);
+        None inserts new digests without one (a trusted worker's blocks, or copies
+        of blocks known to be indexed). `distinct` says the digests cannot repeat
+        (a key chain), which spares a check.
         """
         shards = self._shards
-        bit32 = bit << _SLOT_BITS
         vals = _lookup(shards, ds)
         n = len(ds)
-        if not distinct and len(set(ds)) != n:
-            pass  # repeated digests: the loop below handles them one by one
-        elif keys is None or vals.count(None) == 0:
-            if None not in vals:
-                # all present: C loops only
-                had = sum(map(bool, map(bit32.__and__, vals)))  # type: ignore[arg-type]
+        if keys is not None:
+            kshards = self._kshards
+            for d, key in zip(ds, keys):
+                kshards[d & _SHARD_MASK].setdefault(d, key)
+        if distinct or len(set(ds)) == n:
+            missing = vals.count(None)
+            if not missing:
+                # all present: one interned object per distinct new bitmap
+                had = len([v for v in vals if v & bit])
                 if had < n:
-                    _insert(shards, ds, map(bit32.__or__, vals))  # type: ignore[arg-type]
+                    interned = self._interned
+                    if len(interned) >= _INTERN_MAX:
+                        interned.clear()
+                    setdefault = interned.setdefault
+                    _insert(shards, ds, [setdefault(v | bit, v | bit) for v in vals])
                 return n - had
-        elif vals.count(None) == n:
-            # all new (a fresh chain): reuse freed key slots, append the rest, insert in C loops
-            slab = self._keys
-            free_keys = self._free_keys
-            m = min(n, len(free_keys))
-            slots: list[int] = []
-            if m:
-                slots = free_keys[len(free_keys) - m :]
-                del free_keys[len(free_keys) - m :]
-                for ks, key in zip(slots, keys):
-                    off = ks * KEY_BYTES
-                    slab[off : off + KEY_BYTES] = key
-            if m < n:
-                first = len(slab) // KEY_BYTES
-                slab += joined if (joined is not None and m == 0) else b"".join(keys[m:])
-                slots.extend(range(first, first + n - m))
-            _insert(shards, ds, map(bit32.__or__, slots))
-            return n
+            if missing == n:
+                # all new (a fresh chain): one shared bitmap object
+                _insert(shards, ds, repeat(self._intern(bit), n))
+                return n
         added = 0
-        slab = self._keys
-        free_keys = self._free_keys
-        for i, d in enumerate(ds):
+        intern = self._intern
+        for d in ds:
             shard = shards[d & _SHARD_MASK]
             v = shard.get(d)  # not vals[i]: a digest may repeat within one call
             if v is None:
-                if keys is None:
-                    continue
-                key = keys[i]
-                if free_keys:
-                    ks = free_keys.pop()
-                    off = ks * KEY_BYTES
-                    slab[off : off + KEY_BYTES] = key
-                else:
-                    ks = len(slab) // KEY_BYTES
-                    slab += key
-                shard[d] = bit32 | ks
+                shard[d] = intern(bit)
                 added += 1
-            elif not v & bit32:
-                shard[d] = v | bit32
+            elif not v & bit:
+                shard[d] = intern(v | bit)
                 added += 1
         return added
 
     def _clear_bits(self, ds: Iterable[int], bit: int) -> int:
         """Clear `bit` on every digest (dropping blocks nobody holds); returns bits cleared."""
         shards = self._shards
-        bit32 = bit << _SLOT_BITS
         gone = 0
         for d in ds:
             shard = shards[d & _SHARD_MASK]
             v = shard.get(d)
-            if v is not None and v & bit32:
-                v ^= bit32
+            if v is not None and v & bit:
+                v ^= bit
                 gone += 1
-                if v < _ONE32:
-                    del shard[d]
-                    self._free_keys.append(v)
+                if v:
+                    shard[d] = self._intern(v)
                 else:
-                    shard[d] = v
+                    del shard[d]
+                    self._kshards[d & _SHARD_MASK].pop(d, None)
         return gone
 
     def _removed(self, w: _Worker, ev: BlockRemoved, st: ApplyStats) -> int:
@@ -666,19 +848,60 @@ class PrefixIndex:
             st.ignored += 1
             return 0
         bit, ti = self._tier_bit(w, ev.medium, st)
+        if w.emap:
+            gone = self._removed_mapped(w, ev.block_hashes, bit, ti, st)
+        else:
+            gone = self._removed_digests(ev.block_hashes, bit, st)
+        if ti == 3:
+            g = w.gslot
+            self._remote_counts[g] = max(0, self._remote_counts.get(g, 0) - gone)
+        else:
+            w.counts[ti] = max(0, w.counts[ti] - gone)
+        return gone
+
+    def _removed_digests(self, hashes: Iterable[Any], bit: int, st: ApplyStats) -> int:
+        """Removal for a worker without engine-hash map: its hashes are our digests."""
+        shards = self._shards
+        kshards = self._kshards
+        intern = self._intern
+        gone = 0
+        for eh in hashes:
+            if type(eh) is int:
+                shard = shards[eh & _SHARD_MASK]
+                v = shard.get(eh)
+                if v is not None and v & bit:
+                    v ^= bit
+                    if v:
+                        shard[eh] = intern(v)
+                    else:
+                        del shard[eh]
+                        kshards[eh & _SHARD_MASK].pop(eh, None)
+                    gone += 1
+                    continue
+            else:
+                try:
+                    hash(eh)
+                except TypeError:
+                    st.bad_events += 1
+                    continue
+            st.unknown_removed += 1
+        st.removed += gone
+        return gone
+
+    def _removed_mapped(self, w: _Worker, hashes: Iterable[Any], bit: int, ti: int, st: ApplyStats) -> int:
+        """Removal through the worker's engine-hash map (engines with their own hashes)."""
         shards = self._shards
         emap = w.emap
-        bit32 = bit << _SLOT_BITS
-        wbits32 = (7 << (4 * w.slot)) << _SLOT_BITS
+        wbits = 7 << (4 * w.slot)
         gone = 0
-        for eh in ev.block_hashes:
+        for eh in hashes:
             try:
                 m = emap.get(eh)
             except TypeError:
                 st.bad_events += 1
                 continue
             if m is None:
-                if type(eh) is int and shards[eh & _SHARD_MASK].get(eh, 0) & bit32:
+                if type(eh) is int and shards[eh & _SHARD_MASK].get(eh, 0) & bit:
                     m = eh
                 else:
                     st.unknown_removed += 1
@@ -686,14 +909,9 @@ class PrefixIndex:
             ds = m if type(m) is tuple else (m,)
             gone += self._clear_bits(ds, bit)
             if ti != 3 and m is not eh:
-                if not any(shards[d & _SHARD_MASK].get(d, 0) & wbits32 for d in ds):
+                if not any(shards[d & _SHARD_MASK].get(d, 0) & wbits for d in ds):
                     del emap[eh]
             st.removed += 1
-        if ti == 3:
-            g = w.gslot
-            self._remote_counts[g] = max(0, self._remote_counts.get(g, 0) - gone)
-        else:
-            w.counts[ti] = max(0, w.counts[ti] - gone)
         return gone
 
     # ------------------------------------------------------------------ direct access
@@ -769,13 +987,15 @@ class PrefixIndex:
                 if w is not None:
                     sel |= 1 << (4 * w.slot)
             alive &= sel
-        if not alive or not digests:
+        if not alive or not len(digests):
             return {}
+        if type(digests) is not list:  # e.g. a numpy array: plain ints for the lookups
+            digests = [int(d) for d in digests]
         shards = self._shards
         d0 = digests[0]
         if d0 not in shards[d0 & _SHARD_MASK]:
             return {}  # the common miss: one lookup
-        # Every record in C loops, cut at the first miss; then one Python step per run
+        # Every record in one comprehension, cut at the first miss; then one Python step per run
         # of equal bitmaps (groupby), not per block.
         recs = _lookup(shards, digests)
         try:
@@ -791,7 +1011,7 @@ class PrefixIndex:
         ends: list[tuple[int, int]] = []
         prev_e = 0
         i = 0
-        for b, run in groupby(map(_SLOT_BITS.__rrshift__, recs)):  # type: ignore[arg-type]
+        for b, run in groupby(recs):
             rb = b & remote_mask
             if rb:
                 x = expand_cache.get(rb)
@@ -871,13 +1091,16 @@ class PrefixIndex:
                     s.bad_events,
                     s.ignored,
                     len(w.emap),
+                    w.trusted,
+                    s.digests_verified,
+                    s.digest_mismatches,
                 )
             )
         return out
 
     def holders(self, digest: int) -> dict[str, list[Tier]]:
         """Which workers hold one block and in which tiers (for tests and debugging)."""
-        b = self._shards[digest & _SHARD_MASK].get(digest, 0) >> _SLOT_BITS
+        b = self._shards[digest & _SHARD_MASK].get(digest, 0)
         out: dict[str, list[Tier]] = {}
         for w in self._workers.values():
             nib = b >> (4 * w.slot)

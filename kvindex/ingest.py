@@ -9,9 +9,11 @@ Using it (the gateway)
 ----------------------
     index = PrefixIndex(block_size=16)
     ingest = IngestManager(index, replay_timeout_s=1.0)
-    # inside the running loop; registers the worker in the index when ns_digest is given
+    # inside the running loop; registers the worker in the index when ns_digest is given.
+    # One of our workers (/info kind "kvroute"): its block hashes are our digests.
     ingest.add_worker("w0", "tcp://10.0.0.5:5600", replay_endpoint="tcp://10.0.0.5:5601",
-                      topic="kv", ns_digest=ns.digest, block_size=16, remote_group="rg0")
+                      topic="kv", ns_digest=ns.digest, block_size=16, remote_group="rg0",
+                      trusted_digests=True)
     # a vLLM that publishes to tcp://127.0.0.1:P *connects*: the subscriber must bind
     ingest.add_worker("v1", "tcp://127.0.0.1:5700", bind=True, ns_digest=ns.digest, block_size=32)
     ingest.health()               # {"w0": {...}, "v1": {...}}, shape below
@@ -37,6 +39,12 @@ Using it (the gateway)
     bad_frames           messages with the wrong frame count or a bad sequence frame
     foreign_topic        messages on another topic (SUB filters by prefix only)
     bad_events, unknown_removed, orphans, unknown_medium, ignored    from the index
+    trusted_digests      whether the index applies this worker's hashes as digests now
+                         (False from the start, or since a digest mismatch)
+    digests_verified     trusted chain roots recomputed from their tokens (sampled)
+    digest_mismatches    of those, the ones that differed: the worker's entries were
+                         dropped and it was switched to the verified path for good
+                         (a misconfigured worker: model revision, dtype, block size...)
     unregistered         batches skipped because the worker had left the index already
     internal_errors      unexpected exceptions caught so that ingestion goes on
 
@@ -62,6 +70,11 @@ should call `resync()` when it learns of a restart by other means.
 
 Bad input (wrong frame count, malformed msgpack, unknown tags, wrong field types,
 removals of unknown blocks) is counted and skipped; ingestion never stops on it.
+
+Decoding: a worker the index trusts (`PrefixIndex.trusts_digests`, asked per batch,
+so a worker switched to the verified path after a mismatch is decoded eagerly
+again) is decoded with `EventDecoder(lazy=True)`: its token ids stay msgpack until
+the index samples an event for verification.
 """
 from __future__ import annotations
 
@@ -77,7 +90,7 @@ import zmq
 import zmq.asyncio
 
 from .events import END_SEQ, EventDecodeError, EventDecoder, seq_from_bytes, seq_to_bytes
-from .index import ApplyStats, IndexError_, PrefixIndex
+from .index import DEFAULT_VERIFY_EVERY, ApplyStats, IndexError_, PrefixIndex
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +129,9 @@ class WorkerHealth:
     orphans: int = 0
     unknown_medium: int = 0
     ignored: int = 0
+    trusted_digests: bool = False
+    digests_verified: int = 0
+    digest_mismatches: int = 0
     unregistered: int = 0
     internal_errors: int = 0
 
@@ -128,6 +144,8 @@ class WorkerHealth:
         self.orphans += st.orphans
         self.unknown_medium += st.unknown_medium
         self.ignored += st.ignored
+        self.digests_verified += st.digests_verified
+        self.digest_mismatches += st.digest_mismatches
 
 
 @dataclass(slots=True)
@@ -143,7 +161,8 @@ class WorkerSubscriber:
 
     The socket is created (bound or connected) in the constructor, so a bad
     endpoint fails at once; `start()` then runs the receive loop as a task on the
-    running loop. The index must already know `worker_id`.
+    running loop. The index must already know `worker_id`; whether its digests are
+    trusted (and so decoded lazily) is the index's registration, not an option here.
     """
 
     def __init__(
@@ -173,6 +192,7 @@ class WorkerSubscriber:
         self._max_replay = max_replay_batches
         self._clock = clock
         self._decoder = EventDecoder()
+        self._lazy_decoder = EventDecoder(lazy=True)
         self._expected: int | None = None  # next sequence to apply; None: no baseline
         self._dup_floor: int | None = None  # live sequences >= this may repeat replayed ones
         self._last_applied_at: float | None = None
@@ -232,6 +252,7 @@ class WorkerSubscriber:
 
     def snapshot(self) -> dict[str, Any]:
         h = self.health
+        h.trusted_digests = self.index.trusts_digests(self.worker_id)
         h.last_event_age_s = None if self._last_applied_at is None else self._clock() - self._last_applied_at
         return asdict(h)
 
@@ -307,8 +328,9 @@ class WorkerSubscriber:
         self._expected = seq + 1
         h.last_seq = seq
         h.batches += 1
+        dec = self._lazy_decoder if self.index.trusts_digests(self.worker_id) else self._decoder
         try:
-            batch = self._decoder.decode(payload)
+            batch = dec.decode(payload)
         except EventDecodeError:
             h.decode_errors += 1
             return
@@ -319,6 +341,13 @@ class WorkerSubscriber:
             return
         h.events += len(batch.events)
         h.count(st)
+        if st.digest_mismatches:
+            log.warning(
+                "kv-ingest %s: published block hashes differ from the keys recomputed from their tokens "
+                "(namespace drift: model revision, dtype, block size?); entries dropped, keys recomputed "
+                "from now on",
+                self.worker_id,
+            )
         self._last_applied_at = self._clock()
 
     def _drop(self, reason: str) -> None:
@@ -451,13 +480,17 @@ class IngestManager:
         ns_digest: bytes | None = None,
         block_size: int | None = None,
         remote_group: str | None = None,
+        trusted_digests: bool = False,
+        verify_every: int = DEFAULT_VERIFY_EVERY,
     ) -> WorkerSubscriber:
         """Subscribe to a worker's events; call from inside the running loop.
 
         Registers the worker in the index first unless it is registered already
-        (then `ns_digest` may be omitted). Raises ValueError when already
-        subscribed, IndexError_ for a refused registration (e.g. block size),
-        zmq.ZMQError for an endpoint that cannot be bound or parsed.
+        (then `ns_digest` may be omitted, and the registration's own
+        `trusted_digests` / `verify_every` apply, not these). `trusted_digests=True`
+        for our own workers (kind "kvroute"; see `PrefixIndex.add_worker`). Raises
+        ValueError when already subscribed, IndexError_ for a refused registration
+        (e.g. block size), zmq.ZMQError for an endpoint that cannot be bound or parsed.
         """
         if worker_id in self._subs:
             raise ValueError(f"worker {worker_id!r} is already subscribed")
@@ -466,7 +499,7 @@ class IngestManager:
         if not self.index.has_worker(worker_id):
             if ns_digest is None:
                 raise ValueError(f"worker {worker_id!r} is not in the index: pass ns_digest to register it")
-            self.index.add_worker(worker_id, ns_digest, block_size, remote_group)
+            self.index.add_worker(worker_id, ns_digest, block_size, remote_group, trusted_digests, verify_every)
             registered = True
         try:
             sub = WorkerSubscriber(

@@ -238,18 +238,22 @@ class BlockHasher:
         return st
 
     def states_for(self, extra_keys: Sequence[ExtraKeys | None], n: int) -> list[Any]:
-        """One prefix state per block; equal extra keys share one lookup."""
+        """One prefix state per block; equal all-string extra keys share one lookup.
+
+        Only all-string tuples are memoised by equality: 1, 1.0 and True are equal
+        in Python but not in msgpack, so anything else goes through its encoding.
+        """
         root = self._root
         states = [root] * n
         memo: dict[Any, Any] = {}
         for i, extra in enumerate(extra_keys[:n]):
             if not extra:
                 continue
-            try:
+            if type(extra) is tuple and all(type(x) is str for x in extra):
                 st = memo.get(extra)
                 if st is None:
                     st = memo[extra] = self._state(extra)
-            except TypeError:  # unhashable parts (lists decoded from the wire)
+            else:
                 st = self._state(extra)
             states[i] = st
         return states

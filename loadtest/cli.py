@@ -65,7 +65,8 @@ def _add_trace_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     g.add_argument("--format", default="auto", choices=["auto", "mooncake", "azure", "burstgpt"])
     g.add_argument("--block-tokens", type=int, default=512, help="Mooncake file's block size (default 512)")
     g.add_argument("--start", type=float, default=0.0, help="skip arrivals before this many trace seconds")
-    g.add_argument("--duration", type=float, default=None, help="keep this many trace seconds from --start")
+    g.add_argument("--duration", type=float, default=None,
+                   help="bound the run: keep the arrivals of its first S seconds (after --speed)")
     g.add_argument("--limit", type=int, default=None, help="keep at most this many requests")
     g.add_argument("--speed", type=float, default=1.0, help="arrival-rate factor (2 = twice as fast)")
     g.add_argument("--vocab-size", type=int, default=8192, help="synthesised token ids lie below this")
@@ -95,7 +96,8 @@ def _load(args: argparse.Namespace) -> Trace:
     trace = load_trace(args.trace, args.format, block_tokens=args.block_tokens, sharing=sharing,
                        model=args.burst_model, log_type=args.burst_log_type)
     if args.start or args.duration is not None or args.limit is not None:
-        trace = trace.window(args.start, args.duration, args.limit)
+        span = args.duration * args.speed if args.duration is not None else None
+        trace = trace.window(args.start, span, args.limit)
     if not trace.requests:
         raise TraceError("the selected window of the trace has no requests")
     trace.validate()
@@ -116,7 +118,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     synth = TokenSynth.for_trace(trace, vocab_size=args.vocab_size, seed=args.seed)
     cfg = ReplayConfig(
         url=args.url, endpoint=args.endpoint, model=args.model, speed=args.speed, concurrency=args.concurrency,
-        duration_s=args.max_time, request_timeout_s=args.timeout, api_key=args.api_key,
+        duration_s=args.duration, request_timeout_s=args.timeout, api_key=args.api_key,
         ignore_eos=not args.no_ignore_eos, progress=not args.no_progress and sys.stderr.isatty(),
     )
     out = _out_dir(args.out, "replay")
@@ -319,7 +321,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     p.add_argument("--model", default=None, help="model name (default: the first of /v1/models)")
     p.add_argument("--concurrency", type=int, default=256, help="in-flight bound; beyond it = client queueing")
-    p.add_argument("--max-time", type=float, default=None, help="stop sending after this many seconds")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--no-ignore-eos", action="store_true", help="for servers that reject ignore_eos")

@@ -21,7 +21,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -36,7 +35,7 @@ from .report import latency_table, write_report
 from .results import ResultsWriter, Run, read_runs
 from .router_model import RouterSettings
 from .simulate import SimSettings, Simulation
-from .summary import summarize
+from .summary import pct, summarize
 from .tokens import TokenSynth
 from .trace import Trace, TraceError
 
@@ -193,6 +192,17 @@ def http_run(trace: Trace, cfg: CompareConfig, policy: str, synth: TokenSynth, o
         _stop(cluster)
 
 
+def _per_request_diff(runs: list[Run], pol: str) -> tuple[float, float, float]:
+    """Percentiles of (HTTP TTFT − offline TTFT) over the requests both answered: the
+    transport/host overhead the simulator leaves out, request by request."""
+    by = {r.meta.run: {x.index: x for x in r.results if x.ok} for r in runs}
+    a, b = by.get(f"sim:{pol}", {}), by.get(f"http:{pol}", {})
+    d = [b[i].ttft_s - a[i].ttft_s for i in a.keys() & b.keys()]  # type: ignore[operator]
+    if not d:
+        return float("nan"), float("nan"), float("nan")
+    return pct(d, 10), pct(d, 50), pct(d, 90)
+
+
 def run_compare(trace: Trace, cfg: CompareConfig, out: Path) -> bool:
     """Both sides per policy; prints the table and a PASS/FAIL line per policy."""
     out.mkdir(parents=True, exist_ok=True)
@@ -219,8 +229,11 @@ def run_compare(trace: Trace, cfg: CompareConfig, out: Path) -> bool:
         rel = abs(b.ttft["p50"] - a.ttft["p50"]) / a.ttft["p50"]
         ok = rel <= cfg.tolerance
         ok_all &= ok
+        d10, d50, d90 = _per_request_diff(runs, pol)
         lines.append(f"{'PASS' if ok else 'FAIL'} {pol}: p50 TTFT offline {a.ttft['p50'] * 1000:.1f} ms, "
-                     f"HTTP {b.ttft['p50'] * 1000:.1f} ms, difference {rel:.1%} (bound {cfg.tolerance:.0%})")
+                     f"HTTP {b.ttft['p50'] * 1000:.1f} ms, difference {rel:.1%} (bound {cfg.tolerance:.0%}); "
+                     f"per request HTTP - offline: p10 {d10 * 1000:+.0f} / p50 {d50 * 1000:+.0f} / "
+                     f"p90 {d90 * 1000:+.0f} ms")
     for ln in lines:
         print(ln)
     write_report(runs, out, title=f"Offline simulator vs HTTP replay: {trace.name}", notes=lines)

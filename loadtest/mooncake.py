@@ -4,7 +4,8 @@ One JSON object per line: `timestamp` (ms since the first request), `input_lengt
 `output_length`, `hash_ids` (one id per 512-token block, the last block possibly
 partial, equal ids = reusable KV). The gateway's recorder (router/recorder.py)
 writes the same shape with salted ids, so one reader serves both; unknown extra
-fields (a recording may add some) are ignored.
+fields (a recording may add some) are ignored. A recording is written in completion
+order, so lines are sorted by `timestamp` (stably) and the trace's notes say so.
 """
 from __future__ import annotations
 
@@ -41,16 +42,15 @@ def parse_mooncake(
     block_tokens: int = MOONCAKE_BLOCK_TOKENS,
     strict_lengths: bool = True,
 ) -> Trace:
-    """Parse Mooncake lines; a malformed line raises TraceError naming it.
+    """Parse Mooncake lines (any order); a malformed line raises TraceError naming it.
 
     `strict_lengths` enforces `len(hash_ids) == ceil(input_length / block_tokens)`,
     which holds on every line of the public trace; a mismatch means the file was
     written with another block size.
     """
     dec = msgspec.json.Decoder(_Line)
-    reqs: list[TraceRequest] = []
-    first_ts: float | None = None
-    prev_ts = float("-inf")
+    recs: list[_Line] = []
+    unordered = 0
     for lineno, raw in enumerate(lines, 1):
         if isinstance(raw, str):
             raw = raw.encode()
@@ -70,22 +70,27 @@ def parse_mooncake(
                 f"{rec.input_length} at {block_tokens}-token blocks (expected "
                 f"{-(-rec.input_length // block_tokens)}); pass the trace's block size"
             )
-        if rec.timestamp < prev_ts:
-            raise TraceError(f"{source or name}:{lineno}: timestamp {rec.timestamp} goes back in time")
-        prev_ts = rec.timestamp
-        if first_ts is None:
-            first_ts = rec.timestamp
-        reqs.append(
-            TraceRequest(
-                index=len(reqs),
-                arrival_s=(rec.timestamp - first_ts) / 1000.0,
-                input_length=rec.input_length,
-                # Mooncake has a few 1-token outputs; 0 would mean "no request" to an engine.
-                output_length=max(1, rec.output_length),
-                hash_ids=tuple(rec.hash_ids),
-            )
+        if recs and rec.timestamp < recs[-1].timestamp:
+            unordered += 1
+        recs.append(rec)
+    notes: list[str] = []
+    if unordered:
+        # A gateway recording is written in completion order: replay needs arrival order.
+        recs.sort(key=lambda r: r.timestamp)
+        notes.append(f"{unordered} lines were out of arrival order and were sorted by timestamp")
+    t0 = recs[0].timestamp if recs else 0.0
+    reqs = [
+        TraceRequest(
+            index=i,
+            arrival_s=(rec.timestamp - t0) / 1000.0,
+            input_length=rec.input_length,
+            # Mooncake has a few 1-token outputs; 0 would mean "no request" to an engine.
+            output_length=max(1, rec.output_length),
+            hash_ids=tuple(rec.hash_ids),
         )
-    return Trace(name, block_tokens, reqs, source=source, sharing="trace")
+        for i, rec in enumerate(recs)
+    ]
+    return Trace(name, block_tokens, reqs, source=source, sharing="trace", notes=notes)
 
 
 def load_mooncake(path: str | Path, *, block_tokens: int = MOONCAKE_BLOCK_TOKENS, strict_lengths: bool = True) -> Trace:

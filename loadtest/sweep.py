@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from .blockkeys import TraceKeyer
-from .fleet import FleetSpec, parse_tiers, tiers_label
+from .fleet import parse_tiers, tiers_label
 from .results import Run
 from .simulate import KeyCache, SimSettings, Simulation
 from .summary import summarize
@@ -114,11 +114,3 @@ def find_load(trace: Trace, settings: SimSettings, ratio: float = 5.0,
         if r >= ratio:
             return sp, probes
     return None, probes
-
-
-def fleet_for(settings: SimSettings, **changes: Any) -> SimSettings:
-    """Settings with fleet fields changed (a small helper for scenarios and the CLI)."""
-    return replace(settings, fleet=replace(settings.fleet, **changes))
-
-
-__all__ = ["Job", "plan_jobs", "run_matrix", "find_load", "LoadProbe", "fleet_for", "FleetSpec"]

@@ -29,6 +29,7 @@ import msgspec
 from .config import WorkerConfig
 from .errors import ApiError, bad_request, internal, not_found, too_large
 from .gateway import JSON_HEADERS, Gateway
+from .responses import SSE_DONE, sse_error
 
 log = logging.getLogger("kvroute.app")
 _enc = msgspec.json.Encoder()
@@ -41,16 +42,18 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 class _Out:
     """`gateway.Out` over ASGI send; remembers whether the response has started."""
 
-    __slots__ = ("send", "started", "status")
+    __slots__ = ("send", "started", "status", "sse")
 
     def __init__(self, send: Send) -> None:
         self.send = send
         self.started = False
         self.status = 0
+        self.sse = False
 
     async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self.started = True
         self.status = status
+        self.sse = any(k == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers)
         await self.send({"type": "http.response.start", "status": status, "headers": headers})
 
     async def body(self, data: bytes, more: bool = False) -> None:
@@ -183,7 +186,7 @@ class App:
                 log.warning("error after the response started: %s", e)
             else:
                 await out.error(e)
-            self.gw.metrics.count_request(route, e.status, getattr(out, "model", "-"))
+            self.gw.metrics.count_request(route, e.status, "-")
         except ClientGone:
             self.gw.metrics.disconnects.inc()
         except asyncio.CancelledError:
@@ -194,9 +197,10 @@ class App:
             self.gw.metrics.internal_errors.inc()
             if not out.started:
                 await out.error(internal(rid), rid)
-            else:
+            else:  # never a silent truncation: an explicit error event, then the end
+                tail = sse_error(f"Internal error (request id {rid}).", "internal_error", "internal_error", rid) + SSE_DONE if out.sse else b""
                 try:
-                    await out.body(b"", False)
+                    await out.body(tail, False)
                 except Exception:
                     pass
 
@@ -225,18 +229,21 @@ class App:
             watcher.cancel()
 
     async def _complete_body(self, chat: bool, route: str, body: bytes, headers: dict[str, str], tenant: Any, out: _Out) -> None:
+        """Counts the request once, by its final status, and answers every ApiError itself."""
         gw = self.gw
         try:
             prep = await gw.prepare(chat, body, headers, tenant)
         except ApiError as e:
             gw.metrics.count_request(route, e.status, "-")
-            raise
+            await out.error(e)
+            return
         try:
             status = await gw.complete(prep, out)
         except ApiError as e:
             gw.metrics.count_request(route, e.status, prep.model.id)
             if out.started:
-                raise
+                log.warning("request %s: error after the response started: %s", prep.rid, e)
+                return
             await out.error(e, prep.rid)
             return
         gw.metrics.count_request(route, status, prep.model.id)

@@ -6,7 +6,8 @@ reason (`workers[1].url: ...`), not as an AttributeError on the first request.
 Environment overrides: a variable `KVROUTE_A__B__C=value` sets `a.b.c`; a numeric part
 indexes a list (`KVROUTE_WORKERS__0__URL=...`). Values are parsed as YAML scalars, so
 `8080`, `true`, `[a, b]` and `null` have their YAML types. Relative paths in the file
-(tokenizer folders, trace files, profiles) are resolved against the file's folder.
+(tokenizer folders, trace files, profiles) are resolved against the file's folder (a
+tokenizer folder found only under the project root resolves there).
 """
 from __future__ import annotations
 
@@ -256,8 +257,7 @@ class Config(_Strict):
                 raise ValueError(f"workers[{i}].model: unknown model {w.model!r}")
             else:
                 w.model = names[w.model]
-            if w.kind == "vllm" and w.events is None:
-                pass  # allowed: such a worker is routed by load alone (no index entries)
+            # a vLLM worker without `events` is allowed: routed by load alone (no index entries)
         keys: dict[str, str] = {}
         tids = set()
         for t in self.tenants:

@@ -40,6 +40,7 @@ log = logging.getLogger("kvroute.pool")
 
 _TIERS = {"CPU": Tier.CPU, "DISK": Tier.DISK, "REMOTE": Tier.REMOTE, "PEER": Tier.PEER}
 _DEFAULT_PREFILL_TPS = 10_000.0
+_SELF_DRAINING = "worker reports draining"
 
 
 class State(str, Enum):
@@ -368,9 +369,13 @@ class WorkerPool:
             except (msgspec.DecodeError, AttributeError):
                 st = "ok"
             if st == "draining" and w.state is State.HEALTHY:
-                self._set_state(w, State.DRAINING, "worker reports draining")
+                self._set_state(w, State.DRAINING, _SELF_DRAINING)
                 if w.in_index:
                     w.model.index.set_draining(w.id, True)
+            elif st == "ok" and w.state is State.DRAINING and w.reason == _SELF_DRAINING:
+                self._set_state(w, State.HEALTHY, "")  # it stopped draining by itself
+                if w.in_index:
+                    w.model.index.set_draining(w.id, False)
         return True
 
     async def _register(self, w: Worker) -> bool:

@@ -11,6 +11,14 @@ own `cache_salt`) plus one per distinct request `cache_salt`. The gateway rememb
 latter per tenant (bounded LRU, `max_salts_per_tenant`); salts used before this process
 started, or evicted from that memory, are not purged — a documented limitation.
 
+Declared shared prefixes (config `shared_prefixes`): their leading full blocks stay
+unsalted — the salt marks the first block after them — and our workers learn that
+through `kv.shared_prefix_blocks`. vLLM workers are salted from block 0: vLLM puts
+`cache_salt` into the first block's extra keys and has no notion of a shared prefix,
+so the router keys (and matches) a vLLM worker's blocks that way too
+(model.KeyPlan.vllm_digests). The cost: on vLLM workers a public system prompt is
+cached once per tenant instead of once; never a cross-tenant hit.
+
 With no tenants configured, auth is off: every request is the `default` tenant with no
 salt (a single-tenant deployment shares its cache across users, as vLLM does).
 """

@@ -109,6 +109,7 @@ async def test_unknown_model_404_and_alias_and_models_list() -> None:
         assert r.model == "alias" and r.choices[0].message.content
         names = {m.id async for m in c.models.list()}
         assert names == {MODEL, "alias"}
+        assert gw.metrics.requests.labels("/v1/chat/completions", "404", "-")._value.get() == 1  # counted once
 
 
 async def test_auth_401_and_admin_token() -> None:

@@ -38,6 +38,7 @@ class FakeWorker:
     purges: list[dict[str, Any]] = field(default_factory=list)
     cancelled: int = 0
     health_status: int = 200
+    health_state: str = "ok"  # what /health says: "ok" or "draining"
     port: int = 0
 
     @property
@@ -94,7 +95,7 @@ class FakeWorker:
             await send({"type": "http.response.body", "body": _enc.encode(obj)})
 
         if path == "/health":
-            await reply(self.health_status, {"status": "ok"})
+            await reply(self.health_status, {"status": self.health_state})
         elif path == "/info":
             await reply(200, self.info())
         elif path == "/load":

@@ -272,3 +272,24 @@ async def test_vllm_worker_events_in_bind_mode() -> None:
             assert v.completions[0]["cache_salt"] == plan.wire_salt and "kv" not in v.completions[0]
             pub.close(0)
             ctx.term()
+
+
+async def test_worker_that_reports_draining_leaves_and_returns() -> None:
+    a, b = FakeWorker("a", DIGEST), FakeWorker("b", DIGEST)
+    async with fleet([a, b]) as (gw, url):
+        wa = gw.pool.workers["a"]
+        a.health_state = "draining"
+        for _ in range(100):
+            if wa.state.value == "draining":
+                break
+            await asyncio.sleep(0.02)
+        assert wa.state.value == "draining" and gw.pool.routable(MODEL) == [gw.pool.workers["b"]]
+        for _ in range(3):
+            await client(url).completions.create(model=MODEL, prompt="hello", max_tokens=1)
+        assert not a.completions and len(b.completions) == 3
+        a.health_state = "ok"
+        for _ in range(100):
+            if wa.state.value == "healthy":
+                break
+            await asyncio.sleep(0.02)
+        assert wa.state.value == "healthy"

@@ -263,3 +263,34 @@ def test_kvroute_cli_help_and_exec_wiring() -> None:
     r = subprocess.run([sys.executable, "-m", "router.cli", "serve", "--config", "/nonexistent.yaml"],
                        cwd=ROOT, capture_output=True, text=True, timeout=30)
     assert r.returncode == 2 and "config error" in r.stderr
+
+
+async def test_error_classes_against_sim_workers(cluster: list[str]) -> None:
+    """Every client-visible error class, with the simulated fleet behind the gateway."""
+    cfg = _cfg(cluster, tenants=[{"id": "a", "api_keys": [KEY_A]}])
+    cfg.models[0].max_context_tokens = 2048
+    async with gateway(cfg) as (gw, url):
+        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY_A, max_retries=0) as c:
+            async with aiohttp.ClientSession() as s:
+                async with s.post(url + "/v1/completions", data=b"{oops", headers={"authorization": f"Bearer {KEY_A}"}) as r:
+                    assert r.status == 400 and (await r.json())["error"]["code"] == "invalid_json"
+            with pytest.raises(openai.BadRequestError):  # a field of the wrong type
+                await c.completions.create(model=MODEL, prompt="x", max_tokens="many")  # type: ignore[arg-type]
+            with pytest.raises(openai.BadRequestError) as ei:  # too long for the context
+                await c.completions.create(model=MODEL, prompt=list(range(3000)), max_tokens=1)
+            assert ei.value.code == "context_length_exceeded"
+            with pytest.raises(openai.NotFoundError):
+                await c.chat.completions.create(model="gpt-7", messages=[{"role": "user", "content": "x"}])
+        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="sk-nobody-000", max_retries=0) as bad:
+            with pytest.raises(openai.AuthenticationError):
+                await bad.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
+    slo = _cfg(cluster, routing={"policy": "kv_cost", "max_ttft_s": 1e-5})
+    async with gateway(slo) as (gw, url), openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0) as c:
+        with pytest.raises(openai.RateLimitError) as e429:
+            await c.completions.create(model=MODEL, prompt=_words(5, 500), max_tokens=1)
+        assert float(e429.value.response.headers["retry-after"]) >= 1
+    dead = _cfg(["http://127.0.0.1:9"])
+    async with running_gateway(dead) as (gw, url), openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0) as c:
+        with pytest.raises(openai.InternalServerError) as e503:
+            await c.completions.create(model=MODEL, prompt="x", max_tokens=1)
+        assert e503.value.status_code == 503

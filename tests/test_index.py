@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch
+from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch, EventDecoder, EventEncoder
 from kvindex.index import IndexError_, PrefixIndex, PrefixMatch
 from kvindex.keys import BlockHasher, Namespace, digests64
 from kvindex.tiers import Tier
@@ -132,6 +132,23 @@ def test_clears_retire_slots_and_sweeps_reclaim_them():
     assert idx.sweeps > 0
     assert idx.sweep() and idx.sweep(10)
     assert len(idx) == (3 if idx.match(ds).get("b") else 0)
+
+
+def test_parents_must_be_held_by_a_live_holder():
+    """A cleared or removed worker's blocks cannot parent new chains, swept or not."""
+    t = toks(8, 4)
+    idx = PrefixIndex(BS, max_workers=8)
+    for w in ("a", "b", "c"):
+        idx.add_worker(w, NS.digest, BS)
+    idx.apply("a", [ours(t, 0, 2)])
+    idx.clear_worker("a")  # retired bits may linger until a sweep
+    assert idx.apply("b", [ours(t, 2, 3)]).orphans == 1
+    idx.apply("c", [ours(t, 0, 2, "CPU")])
+    assert idx.apply("b", [ours(t, 2, 3)]).stored == 1  # live again through c
+    idx.remove_worker("c")
+    assert idx.apply("a", [ours(t, 3, 4)]).stored == 1  # b still holds block 2
+    assert idx.sweep()
+    assert idx.match(digests64(HASHER.keys(t))) == {}  # block 0 is held by nobody now
 
 
 def test_direct_store_and_remove():
@@ -331,14 +348,31 @@ def event_for(wid: str, op: str, p: int, lo: int, hi: int, medium: str):
     return BlockStored(hashes, parent, tokens[lo * k * BS : hi * k * BS], k * BS, None, medium, lora, extra)
 
 
+@pytest.mark.parametrize("trusted", [False, True], ids=["verified", "trusted"])
 @settings(max_examples=120, deadline=None)
 @given(data=st.data())
-def test_match_equals_brute_force_reference(data):
+def test_match_equals_brute_force_reference(trusted, data):
+    """With `trusted`, our workers' digests are applied as published (through the wire
+    and the lazy decoder); the answers must not change."""
     idx = PrefixIndex(BS, max_workers=6)  # few slots: clears and removals force sweeps
     ref = Naive()
-    for wid, (kind, k, group) in WORKERS.items():
-        idx.add_worker(wid, NS.digest, k * BS, group)
+    enc, lazy = EventEncoder(), EventDecoder(lazy=True)
+
+    def add(wid: str) -> None:
+        kind, k, group = WORKERS[wid]
+        idx.add_worker(wid, NS.digest, k * BS, group, trusted_digests=trusted and kind == "ours", verify_every=3)
         ref.workers[wid] = NaiveWorker(kind, k, group or f"worker:{wid}")
+
+    def apply(wid: str, ev) -> None:
+        if idx.trusts_digests(wid):
+            batch = lazy.decode(enc.encode(0.0, [ev]))
+            assert not batch.errors
+            idx.apply(wid, batch)
+        else:
+            idx.apply(wid, [ev])
+
+    for wid in WORKERS:
+        add(wid)
     reach: dict[tuple[str, int], int] = {}  # (worker, prompt) -> engine blocks stored so far
     for _ in range(data.draw(st.integers(5, 50), label="steps")):
         name = data.draw(
@@ -351,8 +385,7 @@ def test_match_equals_brute_force_reference(data):
         kind, k, group = WORKERS[wid]
         if name == "add":
             if wid not in ref.workers:
-                idx.add_worker(wid, NS.digest, k * BS, group)
-                ref.workers[wid] = NaiveWorker(kind, k, group or f"worker:{wid}")
+                add(wid)
             continue
         if wid not in ref.workers:
             continue
@@ -361,7 +394,7 @@ def test_match_equals_brute_force_reference(data):
             del ref.workers[wid]
             reach = {key: v for key, v in reach.items() if key[0] != wid}
         elif name == "clear":
-            idx.apply(wid, [AllBlocksCleared()])
+            apply(wid, AllBlocksCleared())
             ref.workers[wid].local = {0: set(), 1: set(), 2: set()}
             ref.workers[wid].emap = {}
         elif name == "drain":
@@ -376,7 +409,7 @@ def test_match_equals_brute_force_reference(data):
             lo = data.draw(st.sampled_from(sorted({0, min(done, n_engine - 1), anywhere})))
             hi = min(lo + data.draw(st.integers(1, 4)), n_engine)
             medium = data.draw(st.sampled_from(MEDIUMS))
-            idx.apply(wid, [event_for(wid, name, p, lo, hi, medium)])
+            apply(wid, event_for(wid, name, p, lo, hi, medium))
             if name == "store":
                 ref.store(wid, p, lo, hi, medium)
                 reach[(wid, p)] = max(done, hi)
@@ -390,5 +423,6 @@ def test_match_equals_brute_force_reference(data):
             assert idx.match(ds[lo:]) == ref.match(ds[lo:], False)
     for s in idx.worker_stats():
         w = ref.workers[s.worker_id]
+        assert s.digest_mismatches == 0 and s.trusted_digests == (trusted and w.kind == "ours")
         assert [s.blocks[t] for t in ("GPU", "CPU", "DISK")] == [len(w.local[t]) for t in (0, 1, 2)]
         assert s.blocks["REMOTE"] == len(ref.remote.get(w.group, set()))

@@ -452,3 +452,15 @@ async def test_fuzzed_messages_never_break_ingestion(ctx, messages):
         assert h["internal_errors"] == 0
     finally:
         await sub.close()
+
+
+async def test_manager_owns_its_context_by_default(index):
+    mgr = IngestManager(index)
+    sub = mgr.add_worker("w", "tcp://127.0.0.1:*", bind=True, ns_digest=NS.digest, block_size=BS)
+    assert index.has_worker("w") and mgr.health()["w"]["state"] == "waiting"
+    assert mgr.health()["w"]["last_event_age_s"] is None and sub.endpoint != "tcp://127.0.0.1:*"
+    with pytest.raises(zmq.ZMQError):
+        mgr.add_worker("x", "not-an-endpoint", ns_digest=NS.digest)
+    assert not index.has_worker("x")  # a refused subscription leaves no registration behind
+    await mgr.close()
+    assert index.has_worker("w")  # closing stops ingestion; the index keeps what it knows

@@ -136,6 +136,8 @@ def test_extra_keys_layout():
     # extra keys as decoded from the wire (lists inside) key like tuples
     h = BlockHasher.for_namespace(BASE)
     assert h.keys(TOKENS, [(["a", 1],), None]) == h.keys(TOKENS, [(("a", 1),), None])
+    # equal in Python, different on the wire: different keys
+    assert h.keys(TOKENS, [(1,), (True,)])[1] != h.keys(TOKENS, [(1,), (1,)])[1]
     # an extra key on block j changes block j and everything after it, nothing before
     k = h.keys(TOKENS)
     kx = h.keys(TOKENS, [None, None, None, ("x",)])

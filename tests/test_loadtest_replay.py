@@ -181,3 +181,19 @@ def test_config_validation() -> None:
         ReplayConfig(endpoint="embeddings")
     with pytest.raises(TraceError):
         ReplayConfig(concurrency=0)
+
+
+@pytest.mark.slow
+def test_compare_offline_vs_http_end_to_end(tmp_path: Path) -> None:
+    """The `compare` command on a tiny slice: sim cluster + gateway subprocesses, both runs complete."""
+    from loadtest.compare import CompareConfig, run_compare
+    from loadtest.results import read_runs
+    from loadtest.traces import load_trace
+
+    trace = load_trace("/work/shared/traces/mooncake_conversation_first_half.jsonl").window(limit=20)
+    cfg = CompareConfig(policies=["round_robin"], workers=2, tolerance=10.0)
+    assert run_compare(trace, cfg, tmp_path)
+    runs = {r.meta.run: r for r in read_runs(tmp_path / "results.jsonl")}
+    assert set(runs) == {"sim:round_robin", "http:round_robin"}
+    assert all(r.ok for r in runs["http:round_robin"].results)
+    assert (tmp_path / "report.md").read_text().count("PASS round_robin") == 1

@@ -8,17 +8,8 @@ import pytest
 
 from loadtest.scenarios import SCENARIOS, run_scenario
 
-# The slower half (several runs each, or a Mooncake slice) runs with `make test-slow`;
-# the default run keeps the rest, one of each kind of check.
-SLOW = {"backend-outage", "sleeping-sessions", "all-features", "mixed-prefixes", "bandwidth-squeeze",
-        "bad-blocks"}
 
-
-def _params() -> list[object]:
-    return [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in SCENARIOS]
-
-
-@pytest.mark.parametrize("name", _params())
+@pytest.mark.parametrize("name", list(SCENARIOS))
 def test_scenario_small(name: str, tmp_path: Path) -> None:
     res = run_scenario(name, size="small", out_dir=tmp_path, seed=0, verbose=False)
     lines = "\n".join(c.line() for c in res.checks)

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 
-from kvindex.tiers import Tier
 from loadtest.cli import main
 from loadtest.fleet import FleetSpec, parse_tiers, profile_with_tiers, tiers_label
 from loadtest.results import read_runs

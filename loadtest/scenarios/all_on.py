@@ -13,7 +13,7 @@ SUMMARY = "Mooncake slice, every tier: kv_cost+offload beats round_robin and GPU
 
 
 def run(ctx: Context) -> None:
-    trace = mooncake_slice(ctx, ctx.pick(300, 2000))
+    trace = mooncake_slice(ctx, ctx.pick(200, 2000))
     workers = ctx.pick(4, 8)
     # A smaller GPU than the profile's (which holds ~820k tokens) so that the slice
     # spills to the lower tiers as the whole hour would; still above the longest

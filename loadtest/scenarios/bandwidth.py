@@ -39,7 +39,7 @@ def run(ctx: Context) -> None:
     ctx.check("every request answered", all(x.ok == x.requests for x in s.values()),
               ", ".join(f"{k} {v.ok}/{v.requests}" for k, v in s.items()))
     ctx.check("fast links: offload helps (p50)", fast_s.ttft["p50"] <= gpu_s.ttft["p50"] * 1.02,
-              f"kv_cost@all {ms(fast_s.ttft['p50'])} vs GPU-only {ms(gpu_s.ttft['p50'])}")
+              f"kv_cost@all {ms(fast_s.ttft['p50'])} vs GPU-only {ms(gpu_s.ttft['p50'])} (bound +2%)")
     for q in ("p50", "p99"):
         ctx.check(f"squeezed links never worse than no offload ({q})",
                   slow_s.ttft[q] <= gpu_s.ttft[q] * 1.05,

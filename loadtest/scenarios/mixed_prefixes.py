@@ -39,7 +39,7 @@ def run(ctx: Context) -> None:
                     output_tokens=(50, 200))
     trace = prefix_workload(NAME, n, rate, mix, seed=ctx.seed)
     long_ids = {r.index for r in trace.requests if r.input_length > LONG}
-    prof = sized_profile(gpu_tokens=ctx.pick(60_000, 120_000))
+    prof = sized_profile(gpu_tokens=ctx.pick(60_000, 50_000))
     for tiers in ("gpu", "all"):
         st = settings(prof, workers=workers, tiers=tiers, seed=ctx.seed)
         for pol in ("round_robin", "kv_cost"):
@@ -53,11 +53,11 @@ def run(ctx: Context) -> None:
     ctx.check("long prefixes hit under kv_cost", kv_hit >= 0.8 and kv_hit >= rr_hit,
               f"kv_cost served {kv_hit:.1%} of long-prefix tokens from cache, round_robin {rr_hit:.1%}")
     ctx.check("long-prefix TTFT: kv_cost <= round_robin", kv_p50 <= rr_p50 * 1.02,
-              f"p50 {ms(kv_p50)} vs {ms(rr_p50)}")
+              f"p50 {ms(kv_p50)} vs {ms(rr_p50)} (bound +2%)")
     for q in ("p50", "p99"):
         a, b = s["kv_cost@all"].ttft[q], s["round_robin@all"].ttft[q]
-        ctx.check(f"overall {q} TTFT: kv_cost <= round_robin", a <= b * 1.02, f"{ms(a)} vs {ms(b)}")
+        ctx.check(f"overall {q} TTFT: kv_cost <= round_robin", a <= b * 1.02, f"{ms(a)} vs {ms(b)} (bound +2%)")
     a, b = s["kv_cost@all"].ttft["p50"], s["kv_cost@gpu"].ttft["p50"]
-    ctx.check("offload pays: kv_cost@all <= kv_cost@gpu (p50)", a <= b * 1.02, f"{ms(a)} vs {ms(b)}")
+    ctx.check("offload pays: kv_cost@all <= kv_cost@gpu (p50)", a <= b * 1.02, f"{ms(a)} vs {ms(b)} (bound +2%)")
     lens = np.array([r.input_length for r in trace.requests])
     ctx.note(f"{len(long_ids)} long-prefix requests of {len(lens)}; prompt p50 {np.median(lens):.0f} tokens")

@@ -27,11 +27,11 @@ def _resumed(run: Run, resumed: set[int]) -> tuple[float, float, float]:
 
 def run(ctx: Context) -> None:
     workers = ctx.pick(4, 8)
-    sleep_s = ctx.pick(240.0, 600.0)
-    spec = Sessions(sessions=ctx.pick(24, 120), turns=4, first_tokens=(6000, 16000), turn_tokens=(200, 800),
+    sleep_s = ctx.pick(150.0, 600.0)
+    spec = Sessions(sessions=ctx.pick(16, 120), turns=4, first_tokens=(6000, 16000), turn_tokens=(200, 800),
                     think_s=(5.0, 20.0), sleepers=1.0, sleep_s=sleep_s)
     sessions = session_workload("sessions", spec, seed=ctx.seed, span_s=60.0)
-    bg_rate = ctx.pick(1.5, 4.0)
+    bg_rate = ctx.pick(1.2, 4.0)
     background = prefix_workload("background", int(bg_rate * (sleep_s + 120)), bg_rate,
                                  PrefixMix(prefix_tokens=[], prefix_prob=0.0, suffix_tokens=(2000, 8000)),
                                  seed=ctx.seed + 7)
