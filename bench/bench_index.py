@@ -20,7 +20,8 @@ printed first.
    prompts (a dozen holders with GPU/CPU/DISK/REMOTE cuts) and a worst case (every
    worker holds the whole prompt with its own three tier cuts).
 3. Memory: RSS growth of that index per block and per (block, worker) entry, plus a
-   tracemalloc count on a smaller index.
+   tracemalloc count on a smaller index (and, after 1., per block ingested verified
+   vs trusted: trusted blocks keep no full key).
 """
 from __future__ import annotations
 
@@ -131,6 +132,28 @@ def bench_ingest(name: str, events: list[object], reps: int, trusted: bool = Fal
     )
 
 
+def ingest_memory(events: list[object]) -> None:
+    """tracemalloc bytes per indexed block after ingesting `events`, verified vs trusted
+    (trusted blocks keep no full key)."""
+    enc = EventEncoder()
+    payloads = [enc.encode(0.0, events[i : i + 16]) for i in range(0, len(events), 16)]  # type: ignore[arg-type]
+    blocks = sum(len(e.block_hashes) for e in events if isinstance(e, BlockStored))
+    out = []
+    for trusted in (False, True):
+        gc.collect()
+        tracemalloc.start()
+        idx = PrefixIndex(BS, max_workers=64)
+        idx.add_worker("w", NS.digest, BS, trusted_digests=trusted)
+        dec = EventDecoder(lazy=trusted)
+        for p in payloads:
+            idx.apply("w", dec.decode(p))
+        cur, _ = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        out.append(f"{'trusted' if trusted else 'verified'} {cur / len(idx):.0f} B")
+        del idx
+    print(f"  memory per block after that ingest (tracemalloc, {blocks:,} blocks): {', '.join(out)}")
+
+
 # ------------------------------------------------------------------------------- lookup
 
 
@@ -207,6 +230,7 @@ def main() -> None:
     bench_ingest("tiered mix, our worker", tiered_mix(ours), a.reps)
     bench_ingest("  ... trusted digests", tiered_mix(ours), a.reps, trusted=True)
     bench_ingest("tiered mix, vLLM worker", tiered_mix(theirs), a.reps)
+    ingest_memory([e for e, _ in ours])
     if a.only == "ingest":
         return
 

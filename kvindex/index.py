@@ -36,9 +36,10 @@ be live unless the worker already holds every block), so both paths give the sam
 answers for a well-behaved worker.
 A misconfigured worker (namespace drift: another model revision, dtype, block size
 ...) would publish digests the router never computes, so the first chain-root
-event (`parent_block_hash` None: verifiable without any stored key) and then 1 in
-`verify_every` of them (a deterministic count) are recomputed from their tokens
-under the worker's namespace. On a mismatch `digest_mismatches` is counted, the
+event (`parent_block_hash` None: verifiable without any stored key) after the
+registration and after every `clear_worker` (restart, resync, AllBlocksCleared),
+and then 1 in `verify_every` of them (a deterministic count), are recomputed from
+their tokens under the worker's namespace. On a mismatch `digest_mismatches` is counted, the
 worker's entries are dropped (`clear_worker`) and the worker stays on the verified
 path for good: still indexed, only slower. Non-root events are never verified.
 Consequence of keeping no full keys: a verified child chains only from a parent
@@ -82,7 +83,15 @@ from dataclasses import dataclass, field
 from itertools import groupby, repeat
 from typing import Any
 
-from .events import AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch, EventDecodeError, KVEvent, LazyBlockStored
+from .events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    DecodedBatch,
+    EventDecodeError,
+    KVEvent,
+    LazyBlockStored,
+)
 from .keys import KEY_BYTES, ROOT_KEY, BlockHasher, digests64, tokens_to_bytes
 from .tiers import Tier, tier_of_medium
 
@@ -332,9 +341,13 @@ class PrefixIndex:
         self._maybe_start_sweep()
 
     def clear_worker(self, worker_id: str) -> None:
-        """Drop every local block of a worker (AllBlocksCleared, restart, lost sync)."""
+        """Drop every local block of a worker (AllBlocksCleared, restart, lost sync).
+
+        A trusted worker's next chain root is verified (a restart may bring a new config).
+        """
         w = self._get(worker_id)
         w.emap = {}
+        w.until_verify = 0
         if not any(w.counts):
             return  # no local bits anywhere: keep the slot
         self._retire(w)
@@ -482,7 +495,7 @@ class PrefixIndex:
 
     # ------------------------------------------------------------------ events
 
-    def apply(self, worker_id: str, batch: DecodedBatch | Sequence[KVEvent]) -> ApplyStats:
+    def apply(self, worker_id: str, batch: DecodedBatch | Sequence[KVEvent | LazyBlockStored]) -> ApplyStats:
         """Apply one batch of a worker's events, in order. Never raises on bad events.
 
         Raises IndexError_ only for an unknown worker.
@@ -693,7 +706,7 @@ class PrefixIndex:
         if None in recs:
             return False
         held = (7 << (4 * w.slot)) | (1 << (4 * w.gslot + _REMOTE_BIT))
-        return True
+        return all([r & held for r in recs])
 
     def _stored_verified(self, w: _Worker, ev: BlockStored, st: ApplyStats) -> int:
         hashes = ev.block_hashes
@@ -701,7 +714,7 @@ class PrefixIndex:
         ebs = ev.block_size
         B = self.block_size
         tokens = ev.token_ids
-        if type(ebs) is not int or ebs <= 0 or ebs % B or len(tokens) < n * ebs:
+        if type(ebs) is not int or ebs <= 0 or ebs % B or len(tokens) < n * ebs or type(hashes) not in (list, tuple):
             st.bad_events += 1
             return 0
         if not n:
@@ -725,6 +738,8 @@ class PrefixIndex:
             hasher = w.hasher
             try:
                 buf = tokens_to_bytes(tokens if len(tokens) == n * ebs else tokens[: n * ebs])
+                if len(buf) < 4 * n * ebs:  # tokens given as packed bytes, too few of them
+                    raise ValueError("too few tokens")
                 states = None if extras is None else hasher.states_for(extras, n * k)  # type: ignore[arg-type]
                 keys = hasher.chain(buf, n * k, states, parent)
             except (OverflowError, TypeError, ValueError):
@@ -807,7 +822,7 @@ class PrefixIndex:
                     if len(interned) >= _INTERN_MAX:
                         interned.clear()
                     setdefault = interned.setdefault
-                    _insert(shards, ds, [setdefault(v | bit, v | bit) for v in vals])
+                    _insert(shards, ds, [setdefault(x, x) for x in [v | bit for v in vals]])
                 return n - had
             if missing == n:
                 # all new (a fresh chain): one shared bitmap object

@@ -7,7 +7,7 @@ report, compare, trace.
     scenario  list | all | NAME [--size small|full]
     report    RESULTS.jsonl... --out DIR
     compare   --trace FILE --policies a,b [--limit N]   (offline simulator vs HTTP replay)
-    trace     stats FILE | convert FILE --out OUT.jsonl
+    trace     stats --trace FILE | convert --trace FILE --to OUT.jsonl
 
 Every command writes results as JSONL plus a Markdown report with PNG plots into
 `--out` (default: runs/<command>-<time>/) and prints the main table. Exit status:

@@ -18,7 +18,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from kvindex.events import KVEvent
-from kvindex.tiers import Tier
 from workers.sim import RemoteStore, SimEngine, SimProfile, load_profile
 
 from .trace import TraceError
@@ -91,7 +90,7 @@ class Fleet:
     def __init__(
         self,
         spec: FleetSpec,
-        on_events: Callable[[str], Callable[[list[KVEvent]], None]] | None = None,
+        on_events: Callable[[str], Callable[[list[KVEvent]], None] | None] | None = None,
     ) -> None:
         if not 1 <= spec.workers <= 1024:
             raise TraceError("workers must be in 1..1024")
@@ -128,16 +127,3 @@ class Fleet:
         if eng is None:
             raise TraceError(f"unknown worker {worker_id!r}")
         return eng
-
-    def tiers(self) -> tuple[Tier, ...]:
-        p = self.profile
-        out = [Tier.GPU]
-        if p.cpu is not None:
-            out.append(Tier.CPU)
-        if p.disk is not None:
-            out.append(Tier.DISK)
-        if p.remote is not None:
-            out.append(Tier.REMOTE)
-        if p.peer is not None:
-            out.append(Tier.PEER)
-        return tuple(out)

@@ -224,7 +224,7 @@ class Replayer:
             buf = b""
             async for piece in resp.content.iter_any():
                 now = time.monotonic()
-                buf += piece
+                buf += piece.replace(b"\r\n", b"\n")  # SSE allows CRLF line ends
                 while True:
                     cut = buf.find(b"\n\n")
                     if cut < 0:

@@ -27,6 +27,7 @@ from kvindex.events import (
     EventDecodeError,
     EventDecoder,
     EventEncoder,
+    LazyBlockStored,
     seq_from_bytes,
     seq_to_bytes,
 )
@@ -322,13 +323,59 @@ def test_round_trip_positional_keeps_the_fields_it_has(evs):
             assert a == b
 
 
+def materialized(events: list) -> list:
+    return [e.materialize() if isinstance(e, LazyBlockStored) else e for e in events]
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    evs=events,
+    dp=st.none() | st.integers(0, 7),
+    enc=st.sampled_from(
+        [EventEncoder(), EventEncoder(batch_map=True), EventEncoder(positional=True),
+         EventEncoder(positional=True, batch_map=True), EventEncoder(positional=True, with_medium=False)]
+    ),
+)  # fmt: skip
+def test_lazy_decoding_materializes_to_the_eager_result(evs, dp, enc):
+    """Every encoding: the lazy decoder defers BlockStored's tokens and extra keys, and
+    `materialize()` gives exactly what the eager decoder gives."""
+    payload = enc.encode(TS, evs, None if enc.positional and not enc.with_medium else dp)
+    eager, lazy = EventDecoder().decode(payload), EventDecoder(lazy=True).decode(payload)
+    assert not lazy.errors and (lazy.ts, lazy.data_parallel_rank) == (eager.ts, eager.data_parallel_rank)
+    assert [type(e) for e in lazy.events] == [
+        LazyBlockStored if isinstance(e, BlockStored) else type(e) for e in eager.events
+    ]
+    assert materialized(lazy.events) == eager.events
+
+
+def test_lazy_decoder_defers_validation_to_materialize():
+    bad_tokens = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": [1, "x"],
+                  "block_size": 2}  # fmt: skip
+    bad_extra = dict(bad_tokens, token_ids=[1, 2], extra_keys="not a list")
+    broken = {"type": "BlockStored", "block_hashes": "x"}  # wrong eagerly and lazily
+    payload = msgspec.msgpack.encode([TS, [bad_tokens, bad_extra, broken, ["BlockRemoved", [2]]], None])
+    assert len(EventDecoder().decode(payload).errors) == 3
+    got = EventDecoder(lazy=True).decode(payload)
+    assert len(got.errors) == 1 and got.errors[0].startswith("event 2")
+    assert [type(e).__name__ for e in got.events] == ["LazyBlockStored", "LazyBlockStored", "BlockRemoved"]
+    for ev in got.events[:2]:
+        with pytest.raises(EventDecodeError):
+            ev.materialize()
+
+
 @settings(max_examples=200, deadline=None)
-@given(payload=st.binary(max_size=80))
-def test_random_bytes_never_escape_as_other_errors(payload):
+@given(payload=st.binary(max_size=80), lazy=st.booleans())
+def test_random_bytes_never_escape_as_other_errors(payload, lazy):
     try:
-        EventDecoder().decode(payload)
+        batch = EventDecoder(lazy=lazy).decode(payload)
     except EventDecodeError:
-        pass
+        return
+    for ev in batch.events:
+        if isinstance(ev, LazyBlockStored):
+            try:
+                ev.materialize()
+            except EventDecodeError:
+                pass
 
 
 def test_sequence_frames():

@@ -464,3 +464,69 @@ async def test_manager_owns_its_context_by_default(index):
     assert not index.has_worker("x")  # a refused subscription leaves no registration behind
     await mgr.close()
     assert index.has_worker("w")  # closing stops ingestion; the index keeps what it knows
+
+
+# ---------------------------------------------------------------------------- trusted digests
+
+
+async def test_trusted_worker_is_decoded_lazily_and_verified_by_sampling(ctx, index):
+    pub = VllmStylePublisher(ctx)
+    mgr, sub = await start(ctx, index, pub, trusted_digests=True, verify_every=2)
+    try:
+        assert index.trusts_digests("w")
+        a = Chain(100, 6)
+        await pub.publish([a.stored(0, 3)])  # a chain root: verified
+        # a child whose token ids are not even ints: never decoded, never verified
+        child = {"type": "BlockStored", "block_hashes": a.ds[3:6], "parent_block_hash": a.ds[2],
+                 "token_ids": "opaque", "block_size": BS, "medium": "CPU"}  # fmt: skip
+        await pub.send_raw([b"kv", (1).to_bytes(8, "big"), msgspec.msgpack.encode([time.time(), [child], None])])
+        pub.seq = 2
+        await wait_until(lambda: sub.health.last_seq == 1)
+        h = mgr.health()["w"]
+        assert (h["trusted_digests"], h["digests_verified"], h["digest_mismatches"]) == (True, 1, 0)
+        assert (h["bad_events"], h["decode_errors"], h["blocks_stored"]) == (0, 0, 6)
+        assert index.match(a.ds)["w"].runs == ((index_tier("GPU"), 3), (index_tier("CPU"), 3))
+        assert next(s for s in index.worker_stats() if s.worker_id == "w").engine_map == 0
+    finally:
+        await mgr.close()
+        await pub.close()
+
+
+async def test_drifted_trusted_worker_is_reported_and_switched(ctx, index, caplog):
+    index.add_worker("w", NS.digest, BS, trusted_digests=True, verify_every=1)
+    sub = WorkerSubscriber("w", index, ctx, "tcp://127.0.0.1:1", replay_endpoint=None)
+    drifted_ns = Namespace("test-model", revision="other", block_size=BS)
+    drifted = BlockHasher.for_namespace(drifted_ns)
+    try:
+        a, b = Chain(110, 4), Chain(111, 2)
+        enc = EventEncoder()
+        await sub.on_frames([b"kv", (0).to_bytes(8, "big"), enc.encode(1.0, [a.stored(0, 4)])])
+        assert matched(index, a) == 4
+        bad = digests64(drifted.keys(b.tokens))
+        ev = BlockStored(bad, None, b.tokens, BS, None, "GPU", None)
+        with caplog.at_level("WARNING", logger="kvindex.ingest"):
+            await sub.on_frames([b"kv", (1).to_bytes(8, "big"), enc.encode(2.0, [ev])])
+        assert "namespace drift" in caplog.text
+        h = sub.snapshot()
+        assert (h["digest_mismatches"], h["trusted_digests"], h["digests_verified"]) == (1, False, 2)
+        assert matched(index, a) == 0  # dropped
+        assert matched(index, b) == 2  # keyed from its tokens under the registered namespace
+        # decoded eagerly again: a malformed token list is now a bad event
+        junk = {"type": "BlockStored", "block_hashes": [5], "parent_block_hash": None,
+                "token_ids": "opaque", "block_size": BS}  # fmt: skip
+        await sub.on_frames([b"kv", (2).to_bytes(8, "big"), msgspec.msgpack.encode([3.0, [junk], None])])
+        assert sub.snapshot()["bad_events"] == 1
+    finally:
+        await sub.close()
+
+
+async def test_manager_passes_trusted_only_when_it_registers(ctx, index):
+    mgr = IngestManager(index, ctx=ctx)
+    try:
+        mgr.add_worker("t", "tcp://127.0.0.1:*", bind=True, ns_digest=NS.digest, block_size=BS, trusted_digests=True)
+        index.add_worker("u", NS.digest, BS)  # registered by its owner: that registration applies
+        mgr.add_worker("u", "tcp://127.0.0.1:*", bind=True, trusted_digests=True)
+        assert index.trusts_digests("t") and not index.trusts_digests("u")
+        assert mgr.health()["t"]["trusted_digests"] and not mgr.health()["u"]["trusted_digests"]
+    finally:
+        await mgr.close()

@@ -197,3 +197,72 @@ def test_compare_offline_vs_http_end_to_end(tmp_path: Path) -> None:
     assert set(runs) == {"sim:round_robin", "http:round_robin"}
     assert all(r.ok for r in runs["http:round_robin"].results)
     assert (tmp_path / "report.md").read_text().count("PASS round_robin") == 1
+
+
+async def test_replay_against_a_simulated_worker() -> None:
+    """Our own worker's stream and usage (with the `kv` extension) parse; a repeated
+    prefix comes back as cached tokens, exactly as the trace shares it."""
+    from workers.cluster import SimCluster
+    from workers.sim.testing import make_profile
+
+    prof = make_profile(block_size=16, gpu_blocks=4096, max_num_batched_tokens=2048)
+    c = SimCluster(1, prof)
+    await c.start()
+    try:
+        url = c.workers[0].url
+        reqs = [TraceRequest(0, 0.0, 700, 3, (0, 1)), TraceRequest(1, 0.3, 900, 3, (0, 2))]
+        trace = Trace("sim", 512, reqs)
+        cfg = ReplayConfig(url=url, model=prof.model, progress=False)
+        results = await Replayer(trace, TokenSynth.for_trace(trace), cfg).run()
+    finally:
+        await c.stop()
+    assert all(r.ok for r in results), [r.error for r in results]
+    a, b = results
+    assert a.output_tokens == 3 and a.tpot_s is not None and a.recomputed_tokens == 700 - a.cached_tokens
+    assert b.cached_tokens == 512 and b.loaded_tokens.get("GPU") == 512  # the shared 512-token block
+    assert b.queue_ms is not None and b.prefill_ms is not None
+
+
+def test_cli_replay_writes_results_and_report(tmp_path: Path) -> None:
+    """`loadtest.cli replay` end to end (the server runs on its own loop in a thread)."""
+    import threading
+
+    from loadtest.cli import main
+    from loadtest.mooncake import dump_mooncake
+
+    fake = FakeServer()
+    loop = asyncio.new_event_loop()
+    started = threading.Event()
+    box: dict[str, object] = {}
+
+    async def serve() -> None:
+        app = web.Application()
+        app.router.add_get("/v1/models", fake.models)
+        app.router.add_post("/v1/completions", fake.completions)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        box["port"] = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        box["runner"] = runner
+        started.set()
+
+    t = threading.Thread(target=lambda: (loop.run_until_complete(serve()), loop.run_forever()), daemon=True)
+    t.start()
+    assert started.wait(10)
+    try:
+        trace_file = tmp_path / "t.jsonl"
+        dump_mooncake(_trace(), trace_file)
+        out = tmp_path / "out"
+        rc = main(["replay", "--trace", str(trace_file), "--url", f"http://127.0.0.1:{box['port']}",
+                   "--limit", "4", "--speed", "4", "--out", str(out), "--no-progress"])
+        assert rc == 0
+        runs = read_runs(out / "results.jsonl")
+        assert len(runs) == 1 and len(runs[0].results) == 4 and all(r.ok for r in runs[0].results)
+        assert (out / "report.md").exists() and (out / "ttft_cdf.png").exists()
+        assert main(["replay", "--trace", str(trace_file), "--url", "ftp://nope", "--out", str(out)]) == 2
+    finally:
+        asyncio.run_coroutine_threadsafe(box["runner"].cleanup(), loop).result(10)  # type: ignore[attr-defined]
+        loop.call_soon_threadsafe(loop.stop)
+        t.join(10)
+        loop.close()
