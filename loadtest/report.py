@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -142,6 +143,12 @@ def plot_all(runs: Sequence[Run], out_dir: Path) -> list[Path]:
     sums = [summarize(r) for r in runs]
     paths: list[Path] = []
 
+    def save(fig: Any, name: str) -> None:
+        paths.append(out_dir / name)
+        fig.tight_layout()
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+
     fig, ax = plt.subplots(figsize=(8, 5))
     for r in runs:
         t = np.sort([x.ttft_s for x in r.results if x.ok and x.ttft_s is not None])
@@ -153,24 +160,18 @@ def plot_all(runs: Sequence[Run], out_dir: Path) -> list[Path]:
     ax.set_title("TTFT CDF")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    paths.append(out_dir / "ttft_cdf.png")
-    fig.tight_layout()
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    save(fig, "ttft_cdf.png")
 
     fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(sums) + 2), 4.5))
     x = np.arange(len(sums))
-    for i, (k, w) in enumerate((("p50", -0.27), ("p95", 0.0), ("p99", 0.27))):
+    for k, w in (("p50", -0.27), ("p95", 0.0), ("p99", 0.27)):
         ax.bar(x + w, [s.ttft[k] * 1000 for s in sums], width=0.27, label=k)
     ax.set_xticks(x, [s.run for s in sums], rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("TTFT (ms)")
     ax.set_yscale("log")
     ax.set_title("TTFT percentiles per run")
     ax.legend()
-    paths.append(out_dir / "ttft_percentiles.png")
-    fig.tight_layout()
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    save(fig, "ttft_percentiles.png")
 
     fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(sums) + 2), 4.5))
     bottom = np.zeros(len(sums))
@@ -184,10 +185,7 @@ def plot_all(runs: Sequence[Run], out_dir: Path) -> list[Path]:
     ax.set_ylabel("% of prompt tokens")
     ax.set_title("Where prompt tokens came from")
     ax.legend(fontsize=8)
-    paths.append(out_dir / "tiers.png")
-    fig.tight_layout()
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    save(fig, "tiers.png")
 
     pred_runs = [r for r in runs if any(x.predicted_ttft_s is not None and x.ok for x in r.results)]
     if pred_runs:
@@ -208,10 +206,7 @@ def plot_all(runs: Sequence[Run], out_dir: Path) -> list[Path]:
         ax.set_ylabel("predicted TTFT (ms)")
         ax.set_title("Planner prediction vs actual")
         ax.legend(fontsize=8)
-        paths.append(out_dir / "predicted_vs_actual.png")
-        fig.tight_layout()
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
+        save(fig, "predicted_vs_actual.png")
     return paths
 
 

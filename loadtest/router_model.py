@@ -21,7 +21,12 @@ them (router/pool.py, router/gateway.py), not on the simulator's truth:
   estimate), `active_kv_tokens +=` prompt + max_tokens, and the same into
   `inflight_since_report_*`; prefill tokens leave at the first token, the rest at
   the end. A poll re-counts what was dispatched after it (none, in the simulator: a
-  poll is instantaneous). `report_age_s` = now − the report's time.
+  poll is instantaneous). `report_age_s` = now − the report's time. A dispatch whose
+  chosen estimate has load time on its critical path (`t_load > 0`) also records when
+  it is predicted to start prefilling (`now + t_queue + t_load`) and its `t_prefill`;
+  until its first token and while that time is ahead, `inflight_loads` lists it
+  (`(seconds from now, t_prefill)`) for the
+  interference term of kv_cost/oracle. The gateway does the same in router/pool.py.
 * **RouteRequest**: prompt tokens, the request's digest64s at the fleet block size,
   `index.match(digests)` over the routable workers, max_tokens, now, request id.
 * **Prefetch** (router/gateway.py `_send_prefetch`): when the decision asks for
@@ -34,7 +39,10 @@ them (router/pool.py, router/gateway.py), not on the simulator's truth:
 `oracle=True` replaces all of that with the truth for the `oracle` policy: every
 view is rebuilt at decision time from `load_report(now)` (exact `est_queue_s`, age
 0, no in-flight guesses: everything dispatched is inside the engines), and matches
-come from the engines' own `match_tiers` (the index is never stale).
+come from the engines' own `match_tiers` (the index is never stale). Its
+`inflight_loads` is the same in-flight list: the load prediction the oracle made at
+each dispatch from the exact state then (the engines do not report per-request load
+progress).
 """
 from __future__ import annotations
 
@@ -77,6 +85,8 @@ class Inflight:
     since_report: bool = True
     prefilled: bool = False
     done: bool = False
+    ready_at: float | None = None  # predicted prefill start, when a load is on its critical path
+    prefill_s: float = 0.0  # its predicted prefill seconds
 
 
 @dataclass(slots=True, eq=False)
@@ -85,6 +95,7 @@ class _Worker:
     view: WorkerView
     load_t: float | None = None
     inflight: set[Inflight] = field(default_factory=set)
+    loading: list[Inflight] = field(default_factory=list)  # in flight with ready_at, not prefilled
 
 
 @dataclass(slots=True)
@@ -116,6 +127,7 @@ class SimRouter:
         self.workers: dict[str, _Worker] = {}
         self._lagged: deque[tuple[float, str, list[KVEvent]]] = deque()
         self.counters = RouterCounters()
+        self._last_decision: Decision | None = None
 
     # ------------------------------------------------------------------ workers
 
@@ -248,6 +260,7 @@ class SimRouter:
             v.inflight_prefill_tokens = 0
             v.inflight_since_report_requests = 0
             v.inflight_since_report_prefill_tokens = 0
+            self._fill_loading(w, now)
             views.append(v)
             tiers = eng.match_tiers(keys) if keys else []
             runs: list[tuple[Tier, int]] = []
@@ -275,13 +288,27 @@ class SimRouter:
             views = []
             for wid, w in self.workers.items():
                 w.view.report_age_s = now - w.load_t if w.load_t is not None else 0.0
+                self._fill_loading(w, now)
                 views.append(w.view)
             matches = self.index.match(digests)
         if candidates is not None:
             allowed = set(candidates)
             views = [v for v in views if v.worker_id in allowed]
         rr = RouteRequest(prompt_tokens, digests, matches, max_tokens, now, rid)
-        return self.policy.choose(rr, views), rr
+        d = self.policy.choose(rr, views)
+        self._last_decision = d
+        return d, rr
+
+    @staticmethod
+    def _fill_loading(w: _Worker, now: float) -> None:
+        """`inflight_loads`: the in-flight loads predicted not landed yet (and drop the rest)."""
+        if not w.loading:
+            if w.view.inflight_loads:
+                w.view.inflight_loads = ()
+            return
+        keep = [r for r in w.loading if not r.prefilled and r.ready_at is not None and r.ready_at > now]
+        w.loading = keep
+        w.view.inflight_loads = tuple((r.ready_at - now, r.prefill_s) for r in keep)  # type: ignore[operator]
 
     def estimate_for(self, d: Decision, worker_id: str) -> Estimate | None:
         for e in d.estimates:
@@ -322,10 +349,20 @@ class SimRouter:
 
     # ------------------------------------------------------------------ accounting
 
-    def dispatched(self, worker_id: str, prefill_tokens: int, kv_tokens: int, now: float) -> Inflight:
+    def dispatched(
+        self, worker_id: str, prefill_tokens: int, kv_tokens: int, now: float, est: Estimate | None = None
+    ) -> Inflight:
+        """Count a dispatch. `est`: the chosen worker's estimate (default: from the last
+        decision routed, which is the one being dispatched in the simulator)."""
         r = Inflight(worker_id, prefill_tokens, kv_tokens, now)
         w = self.workers[worker_id]
         w.inflight.add(r)
+        if est is None and self._last_decision is not None:
+            est = self.estimate_for(self._last_decision, worker_id)
+        if est is not None and est.eligible and est.t_load > 0.0:
+            r.ready_at = now + est.t_queue + est.t_load
+            r.prefill_s = est.t_prefill
+            w.loading.append(r)
         v = w.view
         v.inflight_requests += 1
         v.inflight_prefill_tokens += prefill_tokens

@@ -18,6 +18,7 @@ import asyncio
 import base64
 import logging
 import os
+import random
 import time
 from array import array
 from collections.abc import Mapping
@@ -27,6 +28,7 @@ from typing import Any, Protocol
 import aiohttp
 import msgspec
 from prometheus_client.core import GaugeMetricFamily
+from yarl import URL
 
 from kvindex.tiers import Tier
 
@@ -76,6 +78,9 @@ class Out(Protocol):
 
     async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None: ...
     async def body(self, data: bytes, more: bool = False) -> None: ...
+    async def respond(self, status: int, headers: list[tuple[bytes, bytes]], data: bytes, more: bool = False) -> None:
+        """start + body, sent together where the server allows."""
+        ...
 
 
 @dataclass(slots=True)
@@ -143,6 +148,8 @@ class Gateway:
         self.policy = make_policy(cfg.routing.policy, **params)
         self.policy_name = cfg.routing.policy
         self.tokenization = Tokenization()
+        # request ids: unique, not secret; seeded once so a request costs no getrandom syscall
+        self._rid_rng = random.Random(os.urandom(16))
         tr = cfg.observability.trace
         self.recorder = TraceRecorder(tr.path, tr.salt, tr.block_tokens, tr.max_ids) if tr.enabled else None
         self.session: aiohttp.ClientSession | None = None
@@ -279,7 +286,7 @@ class Gateway:
             if v is not None:
                 sampling[k] = v
         include_usage = bool(req.stream and req.stream_options is not None and req.stream_options.include_usage)
-        rid = ("chatcmpl-" if chat else "cmpl-") + os.urandom(12).hex()
+        rid = ("chatcmpl-" if chat else "cmpl-") + "%024x" % self._rid_rng.getrandbits(96)
         return Prepared(
             rid, chat, tenant, model, req.model, ids, plan, mt, req.stream, include_usage, sampling,
             req.cache_salt, t0, int(time.time()),
@@ -443,7 +450,10 @@ class Gateway:
     ) -> int:
         assert self.session is not None and self.pool is not None
         t_dispatch = time.monotonic()
-        up = await open_stream(self.session, w.url + "/v1/completions", self._upstream_payload(prep, w), w.id, self._upstream_timeout)
+        url = w.completions_url
+        if url is None:
+            url = w.completions_url = URL(w.url + "/v1/completions")
+        up = await open_stream(self.session, url, self._upstream_payload(prep, w), w.id, self._upstream_timeout)
         batches = up.batches()
         res = _Result()
         render = (chat_chunk if prep.chat else comp_chunk) if prep.stream else None
@@ -467,17 +477,23 @@ class Gateway:
             route_hdrs = [(b"x-kvroute-worker", w.id.encode())]
             if predicted is not None:
                 route_hdrs.append((b"x-kvroute-predicted-ttft-ms", b"%.3f" % (predicted * 1000)))
+            # Fewest writes (each socket send is a large share of a request's CPU here):
+            # headers go with the first chunk; the batch that ends at [DONE] goes with the
+            # usage chunk and [DONE]; a stream that is complete in its first read is one write.
+            hdrs = (SSE_HEADERS if prep.stream else JSON_HEADERS) + route_hdrs
+            started = False
             if prep.stream:
-                await out.start(200, SSE_HEADERS + route_hdrs)
                 if prep.chat:
                     parts.insert(0, chat_first_chunk(prep.rid, prep.created, prep.model_name))
-            try:
-                # The batch that ends at [DONE] is not written here: it goes out with the
-                # usage chunk and [DONE] in one write below (one syscall less per request).
-                if err is None:
-                    if parts and not up.done:
-                        await out.body(b"".join(parts), True)
+                if err is not None or not up.done:
+                    if parts:
+                        await out.respond(200, hdrs, b"".join(parts), True)
                         parts = []
+                    else:
+                        await out.start(200, hdrs)
+                    started = True
+            try:
+                if err is None:
                     async for batch in batches:
                         err, parts = self._absorb(res, batch, prep, render)
                         if err is not None:
@@ -493,7 +509,11 @@ class Gateway:
                 m.child(m.upstream_errors, w.id, "stream").inc()
                 log.warning("request %s: worker %s failed after the first byte: %s", prep.rid, w.id, e)
                 if prep.stream:
-                    await out.body(sse_error(str(e), "upstream_error", "worker_failed", prep.rid) + SSE_DONE)
+                    tail = sse_error(str(e), "upstream_error", "worker_failed", prep.rid) + SSE_DONE
+                    if started:
+                        await out.body(tail)
+                    else:
+                        await out.respond(200, hdrs, tail)
                     self._finish(prep, w, res, predicted, ttft, pf, rr, False, t_dispatch)
                     return 200
                 raise ApiError(502, f"The worker failed while generating: {e}", "upstream_error", None, "worker_failed") from None
@@ -503,12 +523,14 @@ class Gateway:
                 if prep.include_usage:
                     parts.append(usage_chunk(prep.chat, prep.rid, prep.created, prep.model_name, usage))
                 parts.append(SSE_DONE)
-                await out.body(b"".join(parts))
+                if started:
+                    await out.body(b"".join(parts))
+                else:
+                    await out.respond(200, hdrs, b"".join(parts))
             else:
                 build = chat_response if prep.chat else comp_response
                 payload = build(prep.rid, prep.created, prep.model_name, "".join(res.text), res.finish, usage)
-                await out.start(200, JSON_HEADERS + route_hdrs)
-                await out.body(payload)
+                await out.respond(200, hdrs, payload)
             self._finish(prep, w, res, predicted, ttft, pf, rr, True, t_dispatch)
             return 200
         finally:

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 import aiohttp
 import msgspec
+from yarl import URL  # aiohttp's own URL type (a hard dependency of aiohttp)
 
 from kvindex.index import IndexError_
 from kvindex.tiers import Tier
@@ -134,6 +135,7 @@ class Worker:
     failures_total: int = 0
     last_error: str = ""
     max_inflight: int | None = None
+    completions_url: URL | None = None  # parsed once: aiohttp re-parses a str URL per request
 
     @property
     def id(self) -> str:

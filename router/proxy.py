@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import aiohttp
+from yarl import URL
 
 from .errors import ApiError
 from .schema import api_error_from_upstream
@@ -96,7 +97,7 @@ class UpstreamStream:
 
 
 async def open_stream(
-    session: aiohttp.ClientSession, url: str, payload: bytes, worker_id: str, timeout: aiohttp.ClientTimeout
+    session: aiohttp.ClientSession, url: str | URL, payload: bytes, worker_id: str, timeout: aiohttp.ClientTimeout
 ) -> UpstreamStream:
     """POST and check the status; the body is not read yet."""
     try:

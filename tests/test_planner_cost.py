@@ -14,6 +14,7 @@ from router.planner.cost import (
     best_cut,
     estimate_all,
     estimate_worker,
+    interference_seconds,
     load_seconds,
     prefill_seconds,
     split_by_tier,
@@ -58,6 +59,21 @@ def test_prefill_formula_hand_computed():
     # 0.01 + 100/1000 + 1e-6 * 100 * (50 + 100/2) = 0.01 + 0.1 + 0.01
     assert prefill_seconds(c, 100, 50) == pytest.approx(0.12)
     assert prefill_seconds(c, 100, 50, scale=2.0) == pytest.approx(0.24)
+
+
+def test_interference_hand_computed():
+    # a 10 s prefill starting now; the loading request lands at 1 s and waits 9 s. The
+    # new request's queue (0.05 s) is that request's own prefill: not really ahead of it.
+    assert interference_seconds([(1.0, 0.05)], 0.05, 0.0, 10.0, True) == pytest.approx(9.0)
+    # it starts after the load landed: the landed request is ahead of it, no delay
+    assert interference_seconds([(1.0, 0.0)], 2.0, 0.0, 10.0, True) == 0.0
+    # its own load: overlapped with the queue (start 0.5) or after it (start 0.2 + 0.5)
+    assert interference_seconds([(0.6, 0.1)], 0.3, 0.5, 1.0, True) == pytest.approx(0.9)
+    assert interference_seconds([(0.6, 0.1)], 0.3, 0.5, 1.0, False) == 0.0
+    # ends before the load lands: nothing; two loads landing inside add up
+    assert interference_seconds([(5.0, 0.0)], 0.0, 0.0, 1.0, True) == 0.0
+    assert interference_seconds([(0.5, 0.0), (1.5, 0.0)], 0.0, 0.0, 2.0, True) == pytest.approx(1.5 + 0.5)
+    assert interference_seconds([], 0.0, 0.0, 2.0, True) == 0.0
 
 
 def test_load_formula_latency_once():

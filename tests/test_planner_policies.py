@@ -217,6 +217,9 @@ def _random_case(rng: random.Random):
             waiting_requests=rng.randrange(0, 6),
             supports_prefetch=rng.random() < 0.8,
             supports_peer_pull=rng.random() < 0.5,
+            inflight_loads=tuple(
+                (rng.uniform(0.0, 3.0), rng.uniform(0.0, 0.2)) for _ in range(rng.choice([0, 0, 1, 3]))
+            ),
         )
         ws.append(w)
     tokens = rng.randrange(1, 8192)
@@ -366,6 +369,44 @@ def test_slo_beats_balance():
     r = request(8192, {"w0": pm("w0", (Tier.GPU, 511))})
     d = p.choose(r, ws)
     assert (d.worker_id, d.reason) == ("w0", "slo_over_balance")
+
+
+def test_long_prompt_avoids_a_worker_whose_load_is_in_flight():
+    """A long prefill sent where a request's remote load has not landed runs ahead of it
+    (the engine serves prefills in start order): kv_cost charges that delay."""
+    ws = fleet(2)
+    ws[0].est_queue_s = 0.02  # the loading request's own 800 tokens of prefill
+    ws[0].inflight_loads = ((1.0, 0.02),)  # its 119k-token REMOTE load lands in 1 s
+    ws[1].est_queue_s = 0.3  # busier, but nothing loading
+    long = request(64_000)
+    plain = make_policy("kv_cost", interference_weight=0.0).choose(long, ws)
+    assert plain.worker_id == "w0"  # its own TTFT is lower there
+    p = make_policy("kv_cost", all_estimates=True)
+    d = p.choose(long, ws)
+    e0, e1 = d.estimates
+    assert d.worker_id == "w1" and d.predicted_ttft == e1.t_ttft
+    assert e1.t_interference == 0.0 and e1.score == e1.t_ttft
+    # w0: starts at 0 (the loading request's prefill is not ahead of it), ends at
+    # t_prefill, and the load that lands at 1 s waits for the rest
+    assert e0.t_interference == pytest.approx(e0.t_prefill - 1.0)
+    assert e0.score == pytest.approx(e0.t_ttft + e0.t_interference)
+    assert e0.t_ttft < e1.t_ttft
+    # a short prompt finishes before the load lands: no delay, w0 wins again
+    assert p.choose(request(2048), ws).worker_id == "w0"
+    # the weight scales the term: at 0.05 the 0.8 s delay no longer outweighs w1's 0.28 s
+    assert make_policy("kv_cost", interference_weight=0.05).choose(long, ws).worker_id == "w0"
+    assert make_policy("oracle").choose(long, ws).worker_id == "w1"
+
+
+def test_interference_does_not_hide_a_worker_meeting_the_slo():
+    ws = fleet(2)
+    ws[0].inflight_loads = ((0.5, 0.0),)
+    ws[1].est_queue_s = 0.5
+    r = request(64_000)
+    own = make_policy("kv_cost", all_estimates=True, interference_weight=0.0).choose(r, ws).estimates
+    slo = (own[0].t_ttft + own[1].t_ttft) / 2  # only w0 meets it, though w1 scores better
+    d = make_policy("kv_cost", max_ttft_s=slo).choose(r, ws)
+    assert d.worker_id == "w0" and d.predicted_ttft <= slo
 
 
 def test_ranked_lists_every_open_worker_best_first():

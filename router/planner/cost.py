@@ -32,6 +32,21 @@ adds one kink where T_load crosses T_queue; on each side the same argument holds
 the two integers around the crossing join the candidates. `best_cut` therefore
 evaluates at most three k per run (no per-block work); tests/test_planner_cost.py
 checks it against brute force over every k, and the step property itself.
+
+Interference (`interference_seconds`): T_ttft prices only the new request's own wait.
+A worker's scheduler (vLLM's, and workers/sim's) serves the running prefills in the
+order they *started*, ahead of anything newly scheduled, and lets a request whose KV
+is still loading (WAITING_FOR_REMOTE_KVS) be overtaken by the requests behind it. So
+if the new request r starts prefilling at `S` (after its queue and its own load; its
+T_queue less the loading requests' own prefill work, which r does not wait for since
+they are not prefilling yet) while a request j already on w is still loading (its
+load lands at `L_j`, `WorkerView.inflight_loads`), r takes the step budget first
+and j, once landed, waits for the rest of r's prefill: j's TTFT grows by
+`max(0, S + T_prefill - L_j)` when `S < L_j`, nothing otherwise (j landed first and is
+ahead of r; requests queued or prefilling are ahead of r anyway: FCFS). A long prompt
+sent to a worker with a long remote load in flight thus costs that load's request up
+to r's whole prefill. kv_cost ranks by `T_ttft + interference_weight * Σ_j delay_j`
+(the sum of the TTFTs it changes, with weight 1).
 """
 from __future__ import annotations
 
@@ -61,6 +76,33 @@ def prefill_seconds(cost: CostParams, new_tokens: int, cached_tokens: int, scale
     t = cost.prefill_overhead_s + n / cost.prefill_tokens_per_s
     t += cost.prefill_attn_s_per_token2 * n * (cached_tokens + n * 0.5)
     return t * scale
+
+
+def interference_seconds(
+    loads: Sequence[tuple[float, float]], queue_s: float, own_load_s: float, prefill_s: float, overlap: bool
+) -> float:
+    """Delay a new request imposes on the requests still loading on a worker (the module doc).
+
+    `loads`: `(ready_s, prefill_s)` of each (WorkerView.inflight_loads); `queue_s`,
+    `own_load_s` (total, no overlap) and `prefill_s`: the new request's terms. Its queue
+    counts those requests' own prefill work, which it does not really wait for (they are
+    not prefilling yet), so that work is taken off to find when it starts prefilling.
+    """
+    q = queue_s
+    for _, p in loads:
+        q -= p
+    if q < 0.0:
+        q = 0.0
+    if overlap:
+        start = own_load_s if own_load_s > q else q
+    else:
+        start = q + own_load_s
+    end = start + prefill_s
+    total = 0.0
+    for ready, _ in loads:
+        if start < ready < end:
+            total += end - ready
+    return total
 
 
 def load_seconds(link: Link, blocks: int, block_bytes: int, scale: float = 1.0) -> float:

@@ -10,8 +10,14 @@ loading and recomputing, T_load per tier with prefetch overlap, and T_prefill. T
    never excludes all: the least loaded has `L <= floor(total / n)`, and
    `floor(total / n) + 1 <= ceil((total + 1) / n)`. Estimates can be wrong (stale reports, other routers); this caps how far a
    hot prefix can pile onto one worker meanwhile.
-3. The argmin of T_ttft; among workers within `tie_margin` (relative) + `tie_abs_s`
-   of it, the one with the fewest outstanding requests, then the shortest queue.
+3. The argmin of the score `T_ttft + interference_weight * T_interference`, where
+   T_interference is the delay this request's prefill would add to requests already
+   loading their KV on that worker (cost.py's module doc: the engine lets a newcomer's
+   prefill run ahead of a request whose load has not landed). Without it, a long
+   prompt lands on a worker whose long remote load is in flight, and that request
+   then waits for the whole new prefill (the Mooncake p99 tail). Among workers within
+   `tie_margin` (relative) + `tie_abs_s` of the best score, the one with the fewest
+   outstanding requests, then the shortest queue. `predicted_ttft` stays T_ttft.
 4. Shedding: with `max_ttft_s` set, when no open worker's predicted TTFT meets it the
    request is shed (worker_id None, reason "shed_slo", `retry_after_s` ≈ how much
    too slow the best worker is); a worker excluded only by the bounded-load guard
@@ -25,7 +31,8 @@ Pruning (why a decision over 64 workers stays well under a millisecond): every w
 first gets a cheap lower bound on its TTFT (`cost.ttft_lower_bound`: queue + prefill
 after the most blocks it could reuse). Full estimates are computed in bound order and
 stop once the next bound exceeds both the tie window of the best so far and the
-second best: no worker left unevaluated could win, tie, or be the retry target, so
+second best (scores are >= T_ttft >= the bound, so the interference term keeps
+pruning exact): no worker left unevaluated could win, tie, or be the retry target, so
 the decision is exactly the one full evaluation gives (a test checks this). Hence,
 by default `Decision.estimates` lists the evaluated contenders only and `ranked` is
 exact for them, the rest following in bound order; `all_estimates=True` (what
@@ -40,13 +47,18 @@ from typing import ClassVar
 from kvindex.tiers import Tier
 
 from .base import PolicyBase, check_bool, check_int, check_number, clamp_retry
-from .cost import INF, RequestContext, estimate_worker, ttft_lower_bound
+from .cost import INF, RequestContext, estimate_worker, interference_seconds, ttft_lower_bound
 from .load import at_cap, outstanding_requests
 from .types import Decision, Estimate, RouteRequest, WorkerView
 
 
 def _by_ttft(e: Estimate) -> float:
     return e.t_ttft
+
+
+def _by_score(e: Estimate) -> float:
+    s = e.score
+    return e.t_ttft if s is None else s
 
 
 class KVCostPolicy(PolicyBase):
@@ -67,8 +79,10 @@ class KVCostPolicy(PolicyBase):
         min_prefetch_blocks: int = 1,
         all_estimates: bool = False,
         calibrate: bool = True,
+        interference_weight: float = 1.0,
     ) -> None:
         super().__init__(calibrate=calibrate)
+        self.interference_weight = check_number("interference_weight", interference_weight, lo=0.0, hi=100.0)
         self.max_ttft_s = None if max_ttft_s is None else check_number("max_ttft_s", max_ttft_s, lo=0.0, lo_open=True)
         self.tie_margin = check_number("tie_margin", tie_margin, lo=0.0, hi=1.0)
         self.tie_abs_s = check_number("tie_abs_s", tie_abs_s, lo=0.0, hi=10.0)
@@ -82,6 +96,14 @@ class KVCostPolicy(PolicyBase):
     def _estimate(self, ctx: RequestContext, w: WorkerView, ps: float, ls, load: float) -> Estimate:
         e = estimate_worker(ctx, w, self.prefetch, self.peer_pull, self.exact_queue, ps, ls)
         e.load = load
+        loads = w.inflight_loads
+        if loads and self.interference_weight > 0.0 and e.eligible:
+            overlap = self.prefetch and w.supports_prefetch
+            t = interference_seconds(loads, e.t_queue, e.t_load_total, e.t_prefill, overlap)
+            e.t_interference = t
+            e.score = e.t_ttft + self.interference_weight * t
+        else:
+            e.score = e.t_ttft
         return e
 
     def choose(self, req: RouteRequest, workers: Sequence[WorkerView]) -> Decision:
@@ -131,19 +153,28 @@ class KVCostPolicy(PolicyBase):
         pool: list[Estimate] = []
         best_t = second_t = INF
         n_eval = 0
+        slo = self.max_ttft_s
+        # With an SLO, a worker whose own TTFT meets it must be found even when a
+        # better-scored one (interference) misses it: keep evaluating while none meets it.
+        slo_open = slo if slo is not None else -INF
         for r in pool_rows:
-            if not full and r[0] > best_t * margin + tie_abs and r[0] >= second_t:
+            if not full and r[0] > best_t * margin + tie_abs and r[0] >= second_t and r[0] > slo_open:
                 break
             e = self._estimate(ctx, r[1], r[3], r[4], r[2])
             pool.append(e)
             n_eval += 1
-            t = e.t_ttft
+            t = _by_score(e)
             if t < best_t:
                 best_t, second_t = t, best_t
             elif t < second_t:
                 second_t = t
-        best = min(pool, key=_by_ttft)
-        slo = self.max_ttft_s
+            if slo is not None and e.t_ttft <= slo:
+                slo_open = -INF
+        best = min(pool, key=_by_score)
+        if slo is not None and best.t_ttft > slo:
+            meets = [e for e in pool if e.t_ttft <= slo]
+            if meets:
+                best = min(meets, key=_by_score)
         # Held workers are evaluated when they may serve under the SLO, or be the retry
         # target (a pool of one): again in bound order, as far as they can matter.
         held: list[Estimate] = []
@@ -157,8 +188,8 @@ class KVCostPolicy(PolicyBase):
             e.eligible = False
             e.note = f"bounded load: {r[2]:g} outstanding > {limit - 1:.3g}" + (f"; {e.note}" if e.note else "")
             held.append(e)
-            if e.t_ttft < best_held:
-                best_held = e.t_ttft
+            if _by_score(e) < best_held:
+                best_held = _by_score(e)
         estimates = pool + held + out
         if full:
             order = {w.worker_id: i for i, w in enumerate(workers)}
@@ -175,18 +206,22 @@ class KVCostPolicy(PolicyBase):
                     estimates=estimates,
                     retry_after_s=clamp_retry(best.t_ttft - slo),
                 )
-            chosen = min(fits, key=_by_ttft)
+            chosen = min(fits, key=_by_score)
             reason = "slo_over_balance"
         else:
-            bound = best.t_ttft * margin + tie_abs
+            bound = _by_score(best) * margin + tie_abs
             chosen = best
             for e in pool:
-                if e.t_ttft <= bound and (e.load, e.t_queue, e.t_ttft) < (chosen.load, chosen.t_queue, chosen.t_ttft):
+                if slo is not None and e.t_ttft > slo:
+                    continue
+                if _by_score(e) <= bound and (e.load, e.t_queue, _by_score(e)) < (
+                    chosen.load, chosen.t_queue, _by_score(chosen)
+                ):
                     chosen = e
             if chosen is not best:
                 reason = "tie_less_load"
-        pool.sort(key=_by_ttft)
-        held.sort(key=_by_ttft)
+        pool.sort(key=_by_score)
+        held.sort(key=_by_score)
         ranked = [chosen.worker_id]
         ranked += [e.worker_id for e in pool if e is not chosen]
         ranked += [r[1].worker_id for r in pool_rows[n_eval:]]

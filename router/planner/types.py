@@ -73,6 +73,15 @@ class WorkerView:
     # KV tokens held by this router's in-flight requests (prompt + generated so far), for the
     # Dynamo-style decode-load term; None falls back to the GPU blocks in use.
     active_kv_tokens: int | None = None
+    # The router's in-flight requests on this worker whose KV load is predicted to be on
+    # their critical path and not landed yet: one `(ready_s, prefill_s)` each, the seconds
+    # from now until it is predicted to start its prefill (dispatch + its Estimate's
+    # t_queue + t_load, minus the time elapsed; only positive values) and its predicted
+    # prefill seconds (Estimate.t_prefill). A newcomer that starts prefilling before such a
+    # request's load lands takes the step budget ahead of it (the engine serves prefills in
+    # the order they started), so kv_cost/oracle charge it that delay
+    # (cost.interference_seconds). Empty = none known (the term is then 0).
+    inflight_loads: Sequence[tuple[float, float]] = ()
 
 
 @dataclass(slots=True)
@@ -106,6 +115,11 @@ class Estimate:
     note: str = ""
     peer_source: str | None = None  # worker to pull PEER blocks from
     load: float = 0.0  # outstanding requests (what the bounded-load guard and tie-breaks compare)
+    # Delay this request would impose on requests already loading on the worker (seconds,
+    # summed over them; cost.interference_seconds), and what kv_cost ranks by:
+    # t_ttft + interference_weight * t_interference (None = t_ttft: not computed).
+    t_interference: float = 0.0
+    score: float | None = None
 
 
 @dataclass(slots=True)
