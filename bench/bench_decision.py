@@ -4,8 +4,8 @@ Setup (realistic index state): 64 workers (block 16, Llama-3-8B bf16 block bytes
 2k-token system prompt on every worker's GPU; 16 conversations of 8k tokens (512
 blocks) each held by 3–6 workers at different lengths, split over GPU / CPU / DISK,
 two of them also in a shared REMOTE group; 40k unrelated blocks of background
-traffic; loads, report ages and in-flight counts random; half the workers can pull
-from peers. Each decision routes one of the conversations' next 8k-token prompt
+traffic; loads, report ages, in-flight counts and in-flight KV loads random; half the
+workers can pull from peers. Each decision routes one of the conversations' next 8k-token prompt
 (tokenization excluded: token ids are given).
 
 Prints p50 / p99 in microseconds of the whole decision per policy (wall clock, and
@@ -109,6 +109,10 @@ def build(n_workers: int, rng: random.Random):
             inflight_prefill_tokens=rng.randrange(0, 20_000),
             max_waiting=256,
             supports_peer_pull=i % 2 == 0,
+            # requests still loading KV (kv_cost's interference term): none on half
+            inflight_loads=tuple(
+                (rng.uniform(-0.05, 1.5), rng.uniform(0.0, 0.1)) for _ in range(rng.choice([0, 0, 1, 3]))
+            ),
         )
         views.append(w)
     return ns, hasher, index, convs, views

@@ -22,10 +22,10 @@ them (router/pool.py, router/gateway.py), not on the simulator's truth:
   `inflight_since_report_*`; prefill tokens leave at the first token, the rest at
   the end. A poll re-counts what was dispatched after it (none, in the simulator: a
   poll is instantaneous). `report_age_s` = now − the report's time. A dispatch whose
-  chosen estimate has load time on its critical path (`t_load > 0`) also records when
+  chosen estimate loads blocks from below GPU (`t_load_total > 0`) also records when
   it is predicted to start prefilling (`now + t_queue + t_load`) and its `t_prefill`;
-  until its first token and while that time is ahead, `inflight_loads` lists it
-  (`(seconds from now, t_prefill)`) for the
+  until its first token (and at most `LOADS_KEPT_S` past that time), `inflight_loads`
+  lists it (`(seconds from now, t_prefill)`) for the
   interference term of kv_cost/oracle. The gateway does the same in router/pool.py.
 * **RouteRequest**: prompt tokens, the request's digest64s at the fleet block size,
   `index.match(digests)` over the routable workers, max_tokens, now, request id.
@@ -60,6 +60,9 @@ from workers.sim.engine import BadRequest, PrefetchQueueFull
 
 
 _TIER_NAMES = {t.name: t for t in Tier}
+# How long past its predicted landing a load stays in `inflight_loads` without a first
+# token (the policies' slack decides what counts; this only bounds the list).
+LOADS_KEPT_S = 1.0
 
 
 @dataclass(slots=True)
@@ -85,7 +88,7 @@ class Inflight:
     since_report: bool = True
     prefilled: bool = False
     done: bool = False
-    ready_at: float | None = None  # predicted prefill start, when a load is on its critical path
+    ready_at: float | None = None  # predicted prefill start, when it loads KV from below GPU
     prefill_s: float = 0.0  # its predicted prefill seconds
 
 
@@ -306,7 +309,7 @@ class SimRouter:
             if w.view.inflight_loads:
                 w.view.inflight_loads = ()
             return
-        keep = [r for r in w.loading if not r.prefilled and r.ready_at is not None and r.ready_at > now]
+        keep = [r for r in w.loading if not r.prefilled and r.ready_at is not None and r.ready_at + LOADS_KEPT_S > now]
         w.loading = keep
         w.view.inflight_loads = tuple((r.ready_at - now, r.prefill_s) for r in keep)  # type: ignore[operator]
 
@@ -359,7 +362,7 @@ class SimRouter:
         w.inflight.add(r)
         if est is None and self._last_decision is not None:
             est = self.estimate_for(self._last_decision, worker_id)
-        if est is not None and est.eligible and est.t_load > 0.0:
+        if est is not None and est.eligible and est.t_load_total > 0.0:
             r.ready_at = now + est.t_queue + est.t_load
             r.prefill_s = est.t_prefill
             w.loading.append(r)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import socket
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -60,52 +59,13 @@ class _Out:
     async def body(self, data: bytes, more: bool = False) -> None:
         await self.send({"type": "http.response.body", "body": data, "more_body": more})
 
-    async def respond(self, status: int, headers: list[tuple[bytes, bytes]], data: bytes, more: bool = False) -> None:
-        """Start the response and send its first body part as one TCP segment.
-
-        uvicorn writes the status line and headers as soon as the response starts, then
-        the body separately: two sends, each waking the client (on this machine a socket
-        send costs ~100 µs CPU, a large share of a routed request). Corking the socket
-        around the pair lets the kernel send them together; without a reachable socket
-        (another ASGI server) it is simply the two sends.
-        """
-        sock = _socket_of(self.send)
-        corked = False
-        if sock is not None:
-            try:
-                sock.setsockopt(socket.IPPROTO_TCP, _TCP_CORK, 1)
-                corked = True
-            except (OSError, AttributeError, TypeError):
-                pass
-        try:
-            await self.start(status, headers)
-            await self.body(data, more)
-        finally:
-            if corked:
-                try:
-                    sock.setsockopt(socket.IPPROTO_TCP, _TCP_CORK, 0)  # type: ignore[union-attr]
-                except OSError:
-                    pass
-
     async def json(self, status: int, obj: Any, extra: list[tuple[bytes, bytes]] | None = None) -> None:
-        await self.respond(status, JSON_HEADERS + (extra or []), obj if isinstance(obj, bytes) else _enc.encode(obj))
+        await self.start(status, JSON_HEADERS + (extra or []))
+        await self.body(obj if isinstance(obj, bytes) else _enc.encode(obj))
 
     async def error(self, e: ApiError, request_id: str | None = None) -> None:
         hdrs = [(k.encode(), v.encode()) for k, v in e.response_headers().items()]
         await self.json(e.status, e.body(request_id), hdrs)
-
-
-_TCP_CORK: int | None = getattr(socket, "TCP_CORK", None)
-
-
-def _socket_of(send: Send) -> Any:
-    """The client's socket behind uvicorn's `send` (its RequestResponseCycle's transport), or None."""
-    if _TCP_CORK is None:
-        return None
-    transport = getattr(getattr(send, "__self__", None), "transport", None)
-    if transport is None or transport.is_closing():
-        return None
-    return transport.get_extra_info("socket")
 
 
 class ClientGone(Exception):
@@ -312,7 +272,8 @@ class App:
         await out.json(200 if ok else 503, {"ready": ok, **detail})
 
     async def _metrics(self, scope: Scope, receive: Receive, out: _Out) -> None:
-        await out.respond(200, [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")], self.gw.metrics.render())
+        await out.start(200, [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")])
+        await out.body(self.gw.metrics.render())
 
     # ------------------------------------------------------------------ admin
 

@@ -78,9 +78,6 @@ class Out(Protocol):
 
     async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None: ...
     async def body(self, data: bytes, more: bool = False) -> None: ...
-    async def respond(self, status: int, headers: list[tuple[bytes, bytes]], data: bytes, more: bool = False) -> None:
-        """start + body, sent together where the server allows."""
-        ...
 
 
 @dataclass(slots=True)
@@ -477,21 +474,20 @@ class Gateway:
             route_hdrs = [(b"x-kvroute-worker", w.id.encode())]
             if predicted is not None:
                 route_hdrs.append((b"x-kvroute-predicted-ttft-ms", b"%.3f" % (predicted * 1000)))
-            # Fewest writes (each socket send is a large share of a request's CPU here):
-            # headers go with the first chunk; the batch that ends at [DONE] goes with the
-            # usage chunk and [DONE]; a stream that is complete in its first read is one write.
+            # Fewest client writes (each socket send is a large share of a request's CPU
+            # here): the batch that ends at [DONE] goes out with the usage chunk and [DONE]
+            # in one write; a stream complete in its first read is headers + one write.
             hdrs = (SSE_HEADERS if prep.stream else JSON_HEADERS) + route_hdrs
             started = False
             if prep.stream:
                 if prep.chat:
                     parts.insert(0, chat_first_chunk(prep.rid, prep.created, prep.model_name))
                 if err is not None or not up.done:
-                    if parts:
-                        await out.respond(200, hdrs, b"".join(parts), True)
-                        parts = []
-                    else:
-                        await out.start(200, hdrs)
+                    await out.start(200, hdrs)
                     started = True
+                    if parts:
+                        await out.body(b"".join(parts), True)
+                        parts = []
             try:
                 if err is None:
                     async for batch in batches:
@@ -509,11 +505,9 @@ class Gateway:
                 m.child(m.upstream_errors, w.id, "stream").inc()
                 log.warning("request %s: worker %s failed after the first byte: %s", prep.rid, w.id, e)
                 if prep.stream:
-                    tail = sse_error(str(e), "upstream_error", "worker_failed", prep.rid) + SSE_DONE
-                    if started:
-                        await out.body(tail)
-                    else:
-                        await out.respond(200, hdrs, tail)
+                    if not started:
+                        await out.start(200, hdrs)
+                    await out.body(sse_error(str(e), "upstream_error", "worker_failed", prep.rid) + SSE_DONE)
                     self._finish(prep, w, res, predicted, ttft, pf, rr, False, t_dispatch)
                     return 200
                 raise ApiError(502, f"The worker failed while generating: {e}", "upstream_error", None, "worker_failed") from None
@@ -523,14 +517,14 @@ class Gateway:
                 if prep.include_usage:
                     parts.append(usage_chunk(prep.chat, prep.rid, prep.created, prep.model_name, usage))
                 parts.append(SSE_DONE)
-                if started:
-                    await out.body(b"".join(parts))
-                else:
-                    await out.respond(200, hdrs, b"".join(parts))
+                if not started:
+                    await out.start(200, hdrs)
+                await out.body(b"".join(parts))
             else:
                 build = chat_response if prep.chat else comp_response
                 payload = build(prep.rid, prep.created, prep.model_name, "".join(res.text), res.finish, usage)
-                await out.respond(200, hdrs, payload)
+                await out.start(200, hdrs)
+                await out.body(payload)
             self._finish(prep, w, res, predicted, ttft, pf, rr, True, t_dispatch)
             return 200
         finally:

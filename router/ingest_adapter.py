@@ -36,7 +36,10 @@ _GAUGES = (
     ("bad_events", "kvroute_ingest_bad_events", "Events the index rejected"),
     ("orphans", "kvroute_ingest_orphans", "Blocks stored under an unknown parent"),
     ("unknown_removed", "kvroute_ingest_unknown_removed", "Removals of unknown blocks"),
+    ("digests_verified", "kvroute_ingest_digests_verified", "Sampled chain roots recomputed to check a trusted worker's digests"),
+    ("digest_mismatches", "kvroute_ingest_digest_mismatches", "Sampled digests that differed from our recomputed keys (namespace drift)"),
 )
+
 
 
 class PoolIngest:
@@ -61,7 +64,9 @@ class PoolIngest:
             # the previous subscription is still closing: register now, subscribe after it
             idx = w.model.index
             if not idx.has_worker(w.id):
-                idx.add_worker(w.id, w.model.namespace.digest, w.block_size, w.remote_group)
+                idx.add_worker(
+                    w.id, w.model.namespace.digest, w.block_size, w.remote_group, trusted_digests=w.trusted_digests
+                )
             self._spawn(self._add_after(pending, w))
             return
         self._subscribe(w)
@@ -78,6 +83,7 @@ class PoolIngest:
             ns_digest=w.model.namespace.digest,
             block_size=w.block_size,
             remote_group=w.remote_group,
+            trusted_digests=w.trusted_digests,
         )
 
     async def _add_after(self, pending: asyncio.Task[None], w: Worker) -> None:

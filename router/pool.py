@@ -149,6 +149,13 @@ class Worker:
     def kind(self) -> str:
         return self.cfg.kind
 
+    @property
+    def trusted_digests(self) -> bool:
+        """Our workers publish digest64 of our own chained keys (docs/wire.md), so the index
+        applies them without re-hashing token ids (sampled roots are still verified);
+        vLLM's block hashes are its own and are always recomputed from the event's tokens."""
+        return self.cfg.kind == "kvroute"
+
     def summary(self) -> dict[str, Any]:
         v = self.view
         return {
@@ -293,7 +300,7 @@ class WorkerPool:
         if w.events is not None and self.ingest is not None:
             self.ingest.add_worker(w)
         else:
-            idx.add_worker(w.id, w.model.namespace.digest, w.block_size, w.remote_group)
+            idx.add_worker(w.id, w.model.namespace.digest, w.block_size, w.remote_group, trusted_digests=w.trusted_digests)
         w.in_index = True
 
     def _leave(self, w: Worker) -> None:

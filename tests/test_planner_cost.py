@@ -74,6 +74,11 @@ def test_interference_hand_computed():
     assert interference_seconds([(5.0, 0.0)], 0.0, 0.0, 1.0, True) == 0.0
     assert interference_seconds([(0.5, 0.0), (1.5, 0.0)], 0.0, 0.0, 2.0, True) == pytest.approx(1.5 + 0.5)
     assert interference_seconds([], 0.0, 0.0, 2.0, True) == 0.0
+    # a landing predicted 10 ms before the start is within the slack: it may well land
+    # late, and then it waits for the whole prefill
+    assert interference_seconds([(0.29, 0.0)], 0.3, 0.0, 2.0, True) == 0.0
+    assert interference_seconds([(0.29, 0.0)], 0.3, 0.0, 2.0, True, slack_s=0.05) == pytest.approx(2.0)
+    assert interference_seconds([(-0.5, 0.0)], 0.0, 0.0, 2.0, True, slack_s=0.05) == 0.0  # landed
 
 
 def test_load_formula_latency_once():

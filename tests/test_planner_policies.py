@@ -396,6 +396,9 @@ def test_long_prompt_avoids_a_worker_whose_load_is_in_flight():
     # the weight scales the term: at 0.05 the 0.8 s delay no longer outweighs w1's 0.28 s
     assert make_policy("kv_cost", interference_weight=0.05).choose(long, ws).worker_id == "w0"
     assert make_policy("oracle").choose(long, ws).worker_id == "w1"
+    assert make_policy("oracle", interference_weight=0.0).choose(long, ws).worker_id == "w0"
+    with pytest.raises(ValueError, match="interference_slack_s"):
+        make_policy("kv_cost", interference_slack_s=-0.1)
 
 
 def test_interference_does_not_hide_a_worker_meeting_the_slo():

@@ -42,8 +42,11 @@ T_queue less the loading requests' own prefill work, which r does not wait for s
 they are not prefilling yet) while a request j already on w is still loading (its
 load lands at `L_j`, `WorkerView.inflight_loads`), r takes the step budget first
 and j, once landed, waits for the rest of r's prefill: j's TTFT grows by
-`max(0, S + T_prefill - L_j)` when `S < L_j`, nothing otherwise (j landed first and is
-ahead of r; requests queued or prefilling are ahead of r anyway: FCFS). A long prompt
+`S + T_prefill - L_j` when `S < L_j < S + T_prefill`, nothing otherwise (j landed first
+and is ahead of r; requests queued or prefilling are ahead of r anyway: FCFS). As a
+landing predicted just before S is a coin flip that costs j all of r's prefill when
+lost, j counts until `L_j + slack` (`interference_slack_s`, default 50 ms), delayed by
+at most T_prefill. A long prompt
 sent to a worker with a long remote load in flight thus costs that load's request up
 to r's whole prefill. kv_cost ranks by `T_ttft + interference_weight * Σ_j delay_j`
 (the sum of the TTFTs it changes, with weight 1).
@@ -79,7 +82,12 @@ def prefill_seconds(cost: CostParams, new_tokens: int, cached_tokens: int, scale
 
 
 def interference_seconds(
-    loads: Sequence[tuple[float, float]], queue_s: float, own_load_s: float, prefill_s: float, overlap: bool
+    loads: Sequence[tuple[float, float]],
+    queue_s: float,
+    own_load_s: float,
+    prefill_s: float,
+    overlap: bool,
+    slack_s: float = 0.0,
 ) -> float:
     """Delay a new request imposes on the requests still loading on a worker (the module doc).
 
@@ -87,6 +95,8 @@ def interference_seconds(
     `own_load_s` (total, no overlap) and `prefill_s`: the new request's terms. Its queue
     counts those requests' own prefill work, which it does not really wait for (they are
     not prefilling yet), so that work is taken off to find when it starts prefilling.
+    `slack_s`: a load counts as not landed until `ready_s + slack_s` (predicted landings
+    are uncertain, and one a millisecond late costs the whole new prefill).
     """
     q = queue_s
     for _, p in loads:
@@ -100,8 +110,8 @@ def interference_seconds(
     end = start + prefill_s
     total = 0.0
     for ready, _ in loads:
-        if start < ready < end:
-            total += end - ready
+        if start < ready + slack_s and ready < end:
+            total += end - ready if ready > start else prefill_s
     return total
 
 

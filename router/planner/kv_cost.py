@@ -80,9 +80,11 @@ class KVCostPolicy(PolicyBase):
         all_estimates: bool = False,
         calibrate: bool = True,
         interference_weight: float = 1.0,
+        interference_slack_s: float = 0.05,
     ) -> None:
         super().__init__(calibrate=calibrate)
         self.interference_weight = check_number("interference_weight", interference_weight, lo=0.0, hi=100.0)
+        self.interference_slack_s = check_number("interference_slack_s", interference_slack_s, lo=0.0, hi=10.0)
         self.max_ttft_s = None if max_ttft_s is None else check_number("max_ttft_s", max_ttft_s, lo=0.0, lo_open=True)
         self.tie_margin = check_number("tie_margin", tie_margin, lo=0.0, hi=1.0)
         self.tie_abs_s = check_number("tie_abs_s", tie_abs_s, lo=0.0, hi=10.0)
@@ -99,7 +101,9 @@ class KVCostPolicy(PolicyBase):
         loads = w.inflight_loads
         if loads and self.interference_weight > 0.0 and e.eligible:
             overlap = self.prefetch and w.supports_prefetch
-            t = interference_seconds(loads, e.t_queue, e.t_load_total, e.t_prefill, overlap)
+            t = interference_seconds(
+                loads, e.t_queue, e.t_load_total, e.t_prefill, overlap, self.interference_slack_s
+            )
             e.t_interference = t
             e.score = e.t_ttft + self.interference_weight * t
         else:

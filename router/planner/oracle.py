@@ -7,7 +7,11 @@ informed than kv_cost in what it believes, not in a different formula: it takes
 `est_queue_s` as exact (no ageing by report age, no in-flight guesses that could
 double count), and it drops the bounded-load guard by default, since that guard only
 exists to contain wrong estimates. Behind the gateway (stale reports) it would herd:
-do not route production traffic with it.
+do not route production traffic with it. It prices the delay a new prefill imposes on
+requests still loading (kv_cost's interference term) from the same
+`WorkerView.inflight_loads` as kv_cost: the simulator's engines do not expose
+per-request load progress, so those are the landing times the oracle itself predicted
+at each dispatch (from the exact state then), not observed truth.
 """
 from __future__ import annotations
 
@@ -31,6 +35,8 @@ class OraclePolicy(KVCostPolicy):
         min_prefetch_blocks: int = 1,
         all_estimates: bool = False,
         calibrate: bool = True,
+        interference_weight: float = 1.0,
+        interference_slack_s: float = 0.05,
     ) -> None:
         super().__init__(
             max_ttft_s=max_ttft_s,
@@ -43,4 +49,6 @@ class OraclePolicy(KVCostPolicy):
             min_prefetch_blocks=min_prefetch_blocks,
             all_estimates=all_estimates,
             calibrate=calibrate,
+            interference_weight=interference_weight,
+            interference_slack_s=interference_slack_s,
         )

@@ -73,10 +73,11 @@ class WorkerView:
     # KV tokens held by this router's in-flight requests (prompt + generated so far), for the
     # Dynamo-style decode-load term; None falls back to the GPU blocks in use.
     active_kv_tokens: int | None = None
-    # The router's in-flight requests on this worker whose KV load is predicted to be on
-    # their critical path and not landed yet: one `(ready_s, prefill_s)` each, the seconds
-    # from now until it is predicted to start its prefill (dispatch + its Estimate's
-    # t_queue + t_load, minus the time elapsed; only positive values) and its predicted
+    # The router's in-flight requests on this worker that load KV from below GPU
+    # (Estimate.t_load_total > 0) and have no first token yet: one `(ready_s, prefill_s)`
+    # each, the seconds from now until its load is predicted to land and its prefill to
+    # start (dispatch + its Estimate's t_queue + t_load, minus the time elapsed; may be
+    # slightly negative: predicted landed, no first token seen yet) and its predicted
     # prefill seconds (Estimate.t_prefill). A newcomer that starts prefilling before such a
     # request's load lands takes the step budget ahead of it (the engine serves prefills in
     # the order they started), so kv_cost/oracle charge it that delay
