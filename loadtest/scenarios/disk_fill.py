@@ -18,11 +18,11 @@ SUMMARY = "many reusable prefixes on a small SSD: fills to capacity, stays withi
 
 
 def run(ctx: Context) -> None:
-    n = ctx.pick(400, 4000)
+    n = ctx.pick(600, 4000)
     workers = ctx.pick(2, 4)
     gpu = ctx.pick(30_000, 60_000)
     disk = ctx.pick(120_000, 250_000)
-    mix = PrefixMix(prefix_tokens=[3072] * ctx.pick(160, 600), prefix_prob=1.0, zipf=0.4,
+    mix = PrefixMix(prefix_tokens=[3072] * ctx.pick(240, 600), prefix_prob=1.0, zipf=0.4,
                     suffix_tokens=(64, 512), output_tokens=(16, 64))
     trace = prefix_workload(NAME, n, ctx.pick(10.0, 20.0), mix, seed=ctx.seed)
     prof = sized_profile(gpu_tokens=gpu, cpu_tokens=gpu, disk_tokens=disk, disk_admit_after=2)
