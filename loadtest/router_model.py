@@ -15,18 +15,19 @@ them (router/pool.py, router/gateway.py), not on the simulator's truth:
   `est_queue_s`, GPU free/capacity blocks, `max_waiting`, and folds the reported
   speeds and tier links into the view's `CostParams` (block size and bytes of the
   index block), exactly the fields router/pool.py `_apply_load` sets.
-* **In-flight accounting** (router/pool.py `dispatched`/`first_token`/`finished`): at
-  dispatch `inflight_requests += 1`, `inflight_prefill_tokens +=` the chosen
-  estimate's `recompute_tokens` (prompt tokens when the policy gave no eligible
+* **In-flight accounting**: one `InflightLedger` per worker (router/planner/inflight.py,
+  the very code router/pool.py `dispatched`/`first_token`/`finished` run): at dispatch
+  `inflight_requests += 1`, `inflight_prefill_tokens +=` the chosen estimate's
+  `recompute_tokens` (prompt tokens when the policy gave no eligible
   estimate), `active_kv_tokens +=` prompt + max_tokens, and the same into
   `inflight_since_report_*`; prefill tokens leave at the first token, the rest at
   the end. A poll re-counts what was dispatched after it (none, in the simulator: a
   poll is instantaneous). `report_age_s` = now − the report's time. A dispatch whose
   chosen estimate loads blocks from below GPU (`t_load_total > 0`) also records when
   it is predicted to start prefilling (`now + t_queue + t_load`) and its `t_prefill`;
-  until its first token (and at most `LOADS_KEPT_S` past that time), `inflight_loads`
-  lists it (`(seconds from now, t_prefill)`) for the
-  interference term of kv_cost/oracle. The gateway does the same in router/pool.py.
+  until its first token (and at most `inflight.LOADS_KEPT_S` past that time),
+  `inflight_loads` lists it (`(seconds from now, t_prefill)`) for the interference
+  term of kv_cost/oracle. The gateway does the same (router/pool.py `refresh_ages`).
 * **RouteRequest**: prompt tokens, the request's digest64s at the fleet block size,
   `index.match(digests)` over the routable workers, max_tokens, now, request id.
 * **Prefetch** (router/gateway.py `_send_prefetch`): when the decision asks for
@@ -48,21 +49,20 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kvindex.events import KVEvent
 from kvindex.index import PrefixIndex, PrefixMatch
 from kvindex.tiers import Tier
+from router.planner.inflight import InflightLedger, Ticket
 from router.planner.types import CostParams, Decision, Estimate, Link, Policy, RouteRequest, WorkerView
 from workers.sim import SimEngine
 from workers.sim.engine import BadRequest, PrefetchQueueFull
 
 
 _TIER_NAMES = {t.name: t for t in Tier}
-# How long past its predicted landing a load stays in `inflight_loads` without a first
-# token (the policies' slack decides what counts; this only bounds the list).
-LOADS_KEPT_S = 1.0
+Inflight = Ticket  # one dispatched request (`worker_id`, `t_dispatch`, ...): its ledger's ticket
 
 
 @dataclass(slots=True)
@@ -80,25 +80,11 @@ class RouterSettings:
 
 
 @dataclass(slots=True, eq=False)
-class Inflight:
-    worker_id: str
-    prefill_tokens: int
-    kv_tokens: int
-    t_dispatch: float
-    since_report: bool = True
-    prefilled: bool = False
-    done: bool = False
-    ready_at: float | None = None  # predicted prefill start, when it loads KV from below GPU
-    prefill_s: float = 0.0  # its predicted prefill seconds
-
-
-@dataclass(slots=True, eq=False)
 class _Worker:
     engine: SimEngine
     view: WorkerView
+    ledger: InflightLedger
     load_t: float | None = None
-    inflight: set[Inflight] = field(default_factory=set)
-    loading: list[Inflight] = field(default_factory=list)  # in flight with ready_at, not prefilled
 
 
 @dataclass(slots=True)
@@ -168,7 +154,7 @@ class SimRouter:
             supports_prefetch="prefetch" in caps,
             supports_peer_pull="peer_pull" in caps,
         )
-        self.workers[wid] = _Worker(engine, view)
+        self.workers[wid] = _Worker(engine, view, InflightLedger(wid))
         if not self.oracle:
             self.index.add_worker(
                 wid, bytes.fromhex(info["namespace_digest"]), info["block_size"], remote_group=info.get("remote_group")
@@ -195,10 +181,8 @@ class SimRouter:
         if w.view.waiting_requests > self.counters.max_waiting_seen:
             self.counters.max_waiting_seen = w.view.waiting_requests
         w.load_t = now
-        for r in w.inflight:  # a poll is instantaneous: everything in flight was dispatched before it
-            r.since_report = False
-        w.view.inflight_since_report_requests = 0
-        w.view.inflight_since_report_prefill_tokens = 0
+        w.ledger.report_taken()  # a poll is instantaneous: everything in flight was dispatched before it
+        w.ledger.fill_counts(w.view)
         self.counters.polls += 1
 
     @staticmethod
@@ -258,12 +242,12 @@ class SimRouter:
             eng.advance(now)
             self._apply_report(w.view, eng.load_report(now))
             v = w.view
+            w.ledger.fill(v, now)  # its inflight_loads; the counts are the truth's, below
             v.report_age_s = 0.0
             v.inflight_requests = 0
             v.inflight_prefill_tokens = 0
             v.inflight_since_report_requests = 0
             v.inflight_since_report_prefill_tokens = 0
-            self._fill_loading(w, now)
             views.append(v)
             tiers = eng.match_tiers(keys) if keys else []
             runs: list[tuple[Tier, int]] = []
@@ -291,7 +275,7 @@ class SimRouter:
             views = []
             for wid, w in self.workers.items():
                 w.view.report_age_s = now - w.load_t if w.load_t is not None else 0.0
-                self._fill_loading(w, now)
+                w.ledger.fill(w.view, now)
                 views.append(w.view)
             matches = self.index.match(digests)
         if candidates is not None:
@@ -301,17 +285,6 @@ class SimRouter:
         d = self.policy.choose(rr, views)
         self._last_decision = d
         return d, rr
-
-    @staticmethod
-    def _fill_loading(w: _Worker, now: float) -> None:
-        """`inflight_loads`: the in-flight loads predicted not landed yet (and drop the rest)."""
-        if not w.loading:
-            if w.view.inflight_loads:
-                w.view.inflight_loads = ()
-            return
-        keep = [r for r in w.loading if not r.prefilled and r.ready_at is not None and r.ready_at + LOADS_KEPT_S > now]
-        w.loading = keep
-        w.view.inflight_loads = tuple((r.ready_at - now, r.prefill_s) for r in keep)  # type: ignore[operator]
 
     def estimate_for(self, d: Decision, worker_id: str) -> Estimate | None:
         for e in d.estimates:
@@ -357,50 +330,28 @@ class SimRouter:
     ) -> Inflight:
         """Count a dispatch. `est`: the chosen worker's estimate (default: from the last
         decision routed, which is the one being dispatched in the simulator)."""
-        r = Inflight(worker_id, prefill_tokens, kv_tokens, now)
         w = self.workers[worker_id]
-        w.inflight.add(r)
         if est is None and self._last_decision is not None:
             est = self.estimate_for(self._last_decision, worker_id)
-        if est is not None and est.eligible and est.t_load_total > 0.0:
-            r.ready_at = now + est.t_queue + est.t_load
-            r.prefill_s = est.t_prefill
-            w.loading.append(r)
-        v = w.view
-        v.inflight_requests += 1
-        v.inflight_prefill_tokens += prefill_tokens
-        v.inflight_since_report_requests = (v.inflight_since_report_requests or 0) + 1
-        v.inflight_since_report_prefill_tokens = (v.inflight_since_report_prefill_tokens or 0) + prefill_tokens
-        v.active_kv_tokens = (v.active_kv_tokens or 0) + kv_tokens
+        r = w.ledger.dispatched(now, prefill_tokens, kv_tokens, est)
+        w.ledger.fill_counts(w.view)
         return r
 
     def first_token(self, r: Inflight) -> None:
-        if r.prefilled or r.done:
-            return
-        r.prefilled = True
         w = self.workers.get(r.worker_id)
-        if w is None:
+        if w is None:  # it left: nothing to count any more
+            r.prefilled = True
             return
-        v = w.view
-        v.inflight_prefill_tokens -= r.prefill_tokens
-        if r.since_report and v.inflight_since_report_prefill_tokens:
-            v.inflight_since_report_prefill_tokens -= r.prefill_tokens
+        w.ledger.first_token(r)
+        w.ledger.fill_counts(w.view)
 
     def finished(self, r: Inflight) -> None:
-        if r.done:
-            return
-        self.first_token(r)
-        r.done = True
         w = self.workers.get(r.worker_id)
         if w is None:
+            r.prefilled = r.done = True
             return
-        w.inflight.discard(r)
-        v = w.view
-        v.inflight_requests -= 1
-        if r.since_report and v.inflight_since_report_requests:
-            v.inflight_since_report_requests -= 1
-        if v.active_kv_tokens:
-            v.active_kv_tokens -= r.kv_tokens
+        w.ledger.finished(r)
+        w.ledger.fill_counts(w.view)
 
     def observe(self, worker_id: str, predicted: float | None, measured: float, kv: dict[str, Any] | None) -> None:
         self.policy.observe(worker_id, predicted, measured, kv)

@@ -391,7 +391,7 @@ class Gateway:
             predicted = d.predicted_ttft if wid == d.worker_id else (est.t_ttft if est else None)
             pf = self._send_prefetch(prep, d, w, rr, est) if wid == d.worker_id else None
             prefill = est.recompute_tokens if est is not None and est.eligible else len(prep.ids)
-            rec = self.pool.dispatched(w, prefill, len(prep.ids) + prep.max_tokens)
+            rec = self.pool.dispatched(w, prefill, len(prep.ids) + prep.max_tokens, est)
             try:
                 if pf is not None and pf.task is not None:
                     if pf.peer:

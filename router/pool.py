@@ -11,9 +11,14 @@ is not trusted); when it answers again it is registered afresh.
 
 Each worker's `WorkerView` (the planner's input) is one object updated in place: the
 report fields at each poll, the router's own in-flight accounting on every dispatch,
-first token and finish. Reports lag, so the view also counts what was dispatched
-after the last report was taken (`inflight_since_report_*`), which the planner adds
-to the aged report (router/planner/load.py).
+first token and finish. That accounting is the worker's `InflightLedger`
+(router/planner/inflight.py, shared with the simulator's loadtest/router_model.py):
+reports lag, so the view also counts what was dispatched after the last report was
+taken (`inflight_since_report_*`: a report knows what was dispatched before its
+request was sent), which the planner adds to the aged report
+(router/planner/load.py), and at each decision (`refresh_ages`) `inflight_loads`:
+the requests whose chosen Estimate loads KV from below GPU and have no first token
+yet, for the interference term (router/planner/cost.py `interference_seconds`).
 """
 from __future__ import annotations
 
@@ -34,7 +39,8 @@ from kvindex.tiers import Tier
 
 from .config import CostConfig, EventsConfig, PoolConfig, WorkerConfig
 from .model import ModelRuntime
-from .planner.types import CostParams, Link, WorkerView
+from .planner.inflight import InflightLedger, Ticket
+from .planner.types import CostParams, Estimate, Link, WorkerView
 from .vllm_load import parse_vllm_metrics
 
 log = logging.getLogger("kvroute.pool")
@@ -101,15 +107,14 @@ _load_dec = msgspec.json.Decoder(_Load)
 
 @dataclass(slots=True, eq=False)
 class Inflight:
-    """One dispatched request, for the router's own accounting."""
+    """One dispatched request: its worker and its ticket in that worker's ledger."""
 
     worker: Worker
-    prefill_tokens: int
-    kv_tokens: int
-    t_dispatch: float
-    since_report: bool = True
-    prefilled: bool = False
-    done: bool = False
+    ticket: Ticket
+
+    @property
+    def prefilled(self) -> bool:
+        return self.ticket.prefilled
 
 
 @dataclass(eq=False)
@@ -129,7 +134,7 @@ class Worker:
     in_index: bool = False
     load_t: float = 0.0  # monotonic time of the last load report
     report_sent_t: float = 0.0
-    inflight: set[Inflight] = field(default_factory=set)
+    ledger: InflightLedger = field(default_factory=InflightLedger)
     task: asyncio.Task[None] | None = None
     served: int = 0
     failures_total: int = 0
@@ -140,6 +145,11 @@ class Worker:
     @property
     def id(self) -> str:
         return self.cfg.id
+
+    @property
+    def inflight(self) -> set[Ticket]:
+        """The router's requests in flight on this worker (dispatched, not finished)."""
+        return self.ledger.live
 
     @property
     def url(self) -> str:
@@ -227,7 +237,7 @@ class WorkerPool:
         model = self.models[wc.model]
         cost = _cost_params(model, None, None, wc.cost)
         view = WorkerView(wc.id, cost, url=wc.url, supports_prefetch=wc.kind == "kvroute")
-        w = Worker(wc, model, view)
+        w = Worker(wc, model, view, ledger=InflightLedger(wc.id))
         w.max_inflight = wc.max_inflight or self.worker_max_inflight
         if wc.kind == "vllm":
             model.has_vllm_workers = True
@@ -493,7 +503,8 @@ class WorkerPool:
                 v.gpu_free_blocks = int(round((1.0 - vl.kv_usage) * 10_000))
         w.load_t = time.monotonic()
         w.report_sent_t = sent
-        self._recount_since_report(w, sent)
+        w.ledger.report_taken(sent)
+        w.ledger.fill_counts(w.view)
         return True
 
     def _apply_load(self, w: Worker, rep: _Load) -> None:
@@ -512,60 +523,29 @@ class WorkerPool:
         if rep.speeds is not None or rep.tiers:
             _update_cost(v.cost, w, rep)
 
-    def _recount_since_report(self, w: Worker, report_sent: float) -> None:
-        n = 0
-        toks = 0
-        for r in w.inflight:
-            r.since_report = r.t_dispatch >= report_sent
-            if r.since_report:
-                n += 1
-                if not r.prefilled:
-                    toks += r.prefill_tokens
-        w.view.inflight_since_report_requests = n
-        w.view.inflight_since_report_prefill_tokens = toks
-
     # ------------------------------------------------------------------ accounting
 
     def refresh_ages(self, workers: Iterable[Worker], now: float) -> None:
+        """Before a decision: report ages and the ledger's view at `now` (inflight_loads)."""
         for w in workers:
             w.view.report_age_s = now - w.load_t if w.load_t else 0.0
+            w.ledger.fill(w.view, now)
 
-    def dispatched(self, w: Worker, prefill_tokens: int, kv_tokens: int) -> Inflight:
-        r = Inflight(w, prefill_tokens, kv_tokens, time.monotonic())
-        w.inflight.add(r)
-        v = w.view
-        v.inflight_requests += 1
-        v.inflight_prefill_tokens += prefill_tokens
-        if v.inflight_since_report_requests is None:
-            v.inflight_since_report_requests = 0
-            v.inflight_since_report_prefill_tokens = 0
-        v.inflight_since_report_requests += 1
-        v.inflight_since_report_prefill_tokens = (v.inflight_since_report_prefill_tokens or 0) + prefill_tokens
-        v.active_kv_tokens = (v.active_kv_tokens or 0) + kv_tokens
+    def dispatched(self, w: Worker, prefill_tokens: int, kv_tokens: int, est: Estimate | None = None) -> Inflight:
+        """Count a dispatch; `est`: the chosen worker's Estimate (its predicted KV load)."""
+        r = Inflight(w, w.ledger.dispatched(time.monotonic(), prefill_tokens, kv_tokens, est))
+        w.ledger.fill_counts(w.view)
         return r
 
     def first_token(self, r: Inflight) -> None:
-        if r.prefilled or r.done:
-            return
-        r.prefilled = True
-        v = r.worker.view
-        v.inflight_prefill_tokens -= r.prefill_tokens
-        if r.since_report and v.inflight_since_report_prefill_tokens:
-            v.inflight_since_report_prefill_tokens -= r.prefill_tokens
+        w = r.worker
+        w.ledger.first_token(r.ticket)
+        w.ledger.fill_counts(w.view)
 
     def finished(self, r: Inflight) -> None:
-        if r.done:
-            return
-        self.first_token(r)
-        r.done = True
         w = r.worker
-        w.inflight.discard(r)
-        v = w.view
-        v.inflight_requests -= 1
-        if r.since_report and v.inflight_since_report_requests:
-            v.inflight_since_report_requests -= 1
-        if v.active_kv_tokens:
-            v.active_kv_tokens -= r.kv_tokens
+        w.ledger.finished(r.ticket)
+        w.ledger.fill_counts(w.view)
 
     # ------------------------------------------------------------------ lifecycle
 

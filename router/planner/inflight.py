@@ -1,0 +1,132 @@
+"""The router's own in-flight accounting for one worker, shared by the gateway and the simulator.
+
+Load reports lag, so the router counts what it dispatched itself (DESIGN.md §5;
+router/planner/load.py reads the result): `inflight_requests` (dispatched, not
+finished), `inflight_prefill_tokens` (dispatched, no first token yet: the chosen
+Estimate's `recompute_tokens`, or the prompt), `active_kv_tokens` (prompt + max_tokens
+of what is in flight), and the same counts restricted to what was dispatched after
+the last load report was taken (`inflight_since_report_*`), which the planner adds to
+the aged report. A dispatch whose chosen Estimate loads KV from below GPU
+(`t_load_total > 0`) also records when its prefill is predicted to start
+(`now + t_queue + t_load`) and its `t_prefill`; until its first token, and at most
+`LOADS_KEPT_S` past that time, it is listed in `inflight_loads` for the interference
+term of kv_cost/oracle (cost.interference_seconds).
+
+Pure bookkeeping (no clock, no I/O): callers pass `now`, so router/pool.py (monotonic
+time) and loadtest/router_model.py (simulated time) share exactly one definition.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .types import Estimate, WorkerView
+
+# How long past its predicted landing a load stays in `inflight_loads` without a first
+# token (the policies' slack decides what counts; this only bounds the list).
+LOADS_KEPT_S = 1.0
+
+
+@dataclass(slots=True, eq=False)
+class Ticket:
+    """One dispatched request, as its worker's ledger counts it."""
+
+    worker_id: str
+    prefill_tokens: int
+    kv_tokens: int
+    t_dispatch: float
+    since_report: bool = True  # dispatched after the last report was taken
+    prefilled: bool = False
+    done: bool = False
+    ready_at: float | None = None  # predicted prefill start, when it loads KV from below GPU
+    prefill_s: float = 0.0  # its predicted prefill seconds
+
+
+@dataclass(slots=True, eq=False)
+class InflightLedger:
+    """One worker's in-flight requests and the counts a `WorkerView` shows of them.
+
+    `since_requests`/`since_prefill_tokens` and `kv_tokens` stay None (unknown to the
+    planner, which then falls back) until the first dispatch or report sets them."""
+
+    worker_id: str = ""  # stamped on its tickets
+    live: set[Ticket] = field(default_factory=set)
+    requests: int = 0
+    prefill_tokens: int = 0
+    since_requests: int | None = None
+    since_prefill_tokens: int | None = None
+    kv_tokens: int | None = None
+    loading: list[Ticket] = field(default_factory=list)  # with ready_at, maybe prefilled since
+
+    def dispatched(self, now: float, prefill_tokens: int, kv_tokens: int, est: Estimate | None = None) -> Ticket:
+        """Count a dispatch; `est` is the chosen worker's Estimate (None: no load known)."""
+        r = Ticket(self.worker_id, prefill_tokens, kv_tokens, now)
+        self.live.add(r)
+        if est is not None and est.eligible and est.t_load_total > 0.0:
+            r.ready_at = now + est.t_queue + est.t_load
+            r.prefill_s = est.t_prefill
+            self.loading.append(r)
+        self.requests += 1
+        self.prefill_tokens += prefill_tokens
+        self.since_requests = (self.since_requests or 0) + 1
+        self.since_prefill_tokens = (self.since_prefill_tokens or 0) + prefill_tokens
+        self.kv_tokens = (self.kv_tokens or 0) + kv_tokens
+        return r
+
+    def first_token(self, r: Ticket) -> None:
+        """Its prefill is done: its prefill tokens (and its load) leave the counts."""
+        if r.prefilled or r.done:
+            return
+        r.prefilled = True
+        self.prefill_tokens -= r.prefill_tokens
+        if r.since_report and self.since_prefill_tokens:
+            self.since_prefill_tokens -= r.prefill_tokens
+
+    def finished(self, r: Ticket) -> None:
+        """Done (or failed): whatever it still counts for leaves. Idempotent."""
+        if r.done:
+            return
+        self.first_token(r)
+        r.done = True
+        self.live.discard(r)
+        self.requests -= 1
+        if r.since_report and self.since_requests:
+            self.since_requests -= 1
+        if self.kv_tokens:
+            self.kv_tokens -= r.kv_tokens
+
+    def report_taken(self, sent_at: float | None = None) -> None:
+        """A load report was just taken. It knows every request dispatched before it was
+        asked for (`sent_at`; None: all in flight, as for an instantaneous poll); the
+        rest stay `since_report` and are re-counted."""
+        n = 0
+        toks = 0
+        for r in self.live:
+            r.since_report = sent_at is not None and r.t_dispatch >= sent_at
+            if r.since_report:
+                n += 1
+                if not r.prefilled:
+                    toks += r.prefill_tokens
+        self.since_requests = n
+        self.since_prefill_tokens = toks
+
+    def fill_counts(self, v: WorkerView) -> None:
+        """Write the counts into the view (not `inflight_loads`: that needs the time)."""
+        v.inflight_requests = self.requests
+        v.inflight_prefill_tokens = self.prefill_tokens
+        if self.since_requests is not None:
+            v.inflight_since_report_requests = self.since_requests
+            v.inflight_since_report_prefill_tokens = self.since_prefill_tokens
+        if self.kv_tokens is not None:
+            v.active_kv_tokens = self.kv_tokens
+
+    def fill(self, v: WorkerView, now: float) -> None:
+        """Everything the view takes from the ledger at decision time `now`, including
+        `inflight_loads` (loads predicted not landed yet; older ones are dropped)."""
+        self.fill_counts(v)
+        if not self.loading:
+            if v.inflight_loads:
+                v.inflight_loads = ()
+            return
+        keep = [r for r in self.loading if not r.prefilled and r.ready_at is not None and r.ready_at + LOADS_KEPT_S > now]
+        self.loading = keep
+        v.inflight_loads = tuple((r.ready_at - now, r.prefill_s) for r in keep)  # type: ignore[operator]
