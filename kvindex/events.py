@@ -200,22 +200,9 @@ class _BatchMapRaw(msgspec.Struct, gc=False):
 
 
 def _to_public(ev: Any) -> KVEvent | LazyBlockStored:
-    if isinstance(ev, _LazyBlockStoredPos):
-        return LazyBlockStored(
-            ev.block_hashes,
-            ev.parent_block_hash,
-            ev.token_ids,
-            ev.block_size,
-            ev.lora_id,
-            ev.medium,
-            ev.lora_name,
-            ev.extra_keys,
-            ev.group_idx,
-            ev.kv_cache_spec_kind,
-            ev.kv_cache_spec_sliding_window,
-        )
-    if isinstance(ev, _BlockStoredPos):
-        return BlockStored(
+    if isinstance(ev, (_LazyBlockStoredPos, _BlockStoredPos)):
+        cls = LazyBlockStored if isinstance(ev, _LazyBlockStoredPos) else BlockStored
+        return cls(
             ev.block_hashes,
             ev.parent_block_hash,
             ev.token_ids,
