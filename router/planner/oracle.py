@@ -15,6 +15,8 @@ at each dispatch (from the exact state then), not observed truth.
 """
 from __future__ import annotations
 
+from typing import Any
+
 from .kv_cost import KVCostPolicy
 
 
@@ -22,33 +24,6 @@ class OraclePolicy(KVCostPolicy):
     name = "oracle"
     exact_queue = True
 
-    def __init__(
-        self,
-        *,
-        max_ttft_s: float | None = None,
-        tie_margin: float = 0.03,
-        tie_abs_s: float = 0.001,
-        balance_eps: float | None = None,
-        balance_slack: float = 2.0,
-        prefetch: bool = True,
-        peer_pull: bool = True,
-        min_prefetch_blocks: int = 1,
-        all_estimates: bool = False,
-        calibrate: bool = True,
-        interference_weight: float = 1.0,
-        interference_slack_s: float = 0.05,
-    ) -> None:
-        super().__init__(
-            max_ttft_s=max_ttft_s,
-            tie_margin=tie_margin,
-            tie_abs_s=tie_abs_s,
-            balance_eps=balance_eps,
-            balance_slack=balance_slack,
-            prefetch=prefetch,
-            peer_pull=peer_pull,
-            min_prefetch_blocks=min_prefetch_blocks,
-            all_estimates=all_estimates,
-            calibrate=calibrate,
-            interference_weight=interference_weight,
-            interference_slack_s=interference_slack_s,
-        )
+    def __init__(self, *, balance_eps: float | None = None, **params: Any) -> None:
+        """kv_cost's parameters; only the bounded-load guard is off by default (see above)."""
+        super().__init__(balance_eps=balance_eps, **params)

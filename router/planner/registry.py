@@ -34,8 +34,17 @@ POLICY_NAMES: tuple[str, ...] = tuple(_CLASSES)
 
 def policy_params(name: str) -> dict[str, object]:
     """A policy's parameters and their defaults."""
-    cls = _policy_class(name)
-    return {p.name: p.default for p in inspect.signature(cls.__init__).parameters.values() if p.kind is p.KEYWORD_ONLY}
+    return _keyword_params(_policy_class(name))
+
+
+def _keyword_params(cls: type) -> dict[str, object]:
+    """Keyword-only parameters of `cls.__init__`, plus its parent's when it forwards `**params`."""
+    params = inspect.signature(cls.__init__).parameters.values()
+    out: dict[str, object] = {}
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        out.update(_keyword_params(cls.__mro__[1]))
+    out.update({p.name: p.default for p in params if p.kind is p.KEYWORD_ONLY})
+    return out
 
 
 def _policy_class(name: str) -> type:
