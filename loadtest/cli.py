@@ -159,7 +159,9 @@ def _sim_settings(args: argparse.Namespace, tiers: str) -> Any:
         fleet=FleetSpec(workers=args.workers, profile=args.profile, tiers=tiers, block_size=args.block_size,
                         remote_groups=args.remote_groups, max_waiting=args.max_waiting),
         router=RouterSettings(poll_interval_s=args.poll_interval, event_lag_s=args.event_lag,
-                              prefetch=not args.no_prefetch),
+                              prefetch=not args.no_prefetch,
+                              route_delay_s=args.route_delay[0], route_delay_s_per_token=args.route_delay[1],
+                              send_delay_s=args.send_delay[0], send_delay_s_per_token=args.send_delay[1]),
         speed=args.speed,
         vocab_size=args.vocab_size,
         seed=args.seed,
@@ -391,6 +393,22 @@ def _add_fleet_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--poll-interval", type=float, default=0.1, help="load-report poll period (s), as the gateway")
     g.add_argument("--event-lag", type=float, default=0.0, help="KV-event delivery delay (s)")
     g.add_argument("--no-prefetch", action="store_true")
+    g.add_argument("--route-delay", type=_delay, default=(0.0, 0.0), metavar="S[,S_PER_TOKEN]",
+                   help="client → gateway delay before routing, seconds [+ seconds per prompt token]")
+    g.add_argument("--send-delay", type=_delay, default=(0.0, 0.0), metavar="S[,S_PER_TOKEN]",
+                   help="gateway → worker delay (and the first byte back), seconds [+ seconds per prompt token]")
+
+
+def _delay(text: str) -> tuple[float, float]:
+    """`0.003` or `0.003,1e-7`: a fixed delay and an optional per-token one, both >= 0."""
+    parts = text.split(",")
+    try:
+        vals = [float(p) for p in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected S or S,S_PER_TOKEN (seconds), got {text!r}") from None
+    if len(vals) > 2 or any(not (v >= 0.0) or v == float("inf") for v in vals):
+        raise argparse.ArgumentTypeError(f"expected one or two finite non-negative numbers, got {text!r}")
+    return (vals[0], vals[1] if len(vals) > 1 else 0.0)
 
 
 def main(argv: list[str] | None = None) -> int:

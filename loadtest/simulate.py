@@ -12,8 +12,12 @@ retried once on the next-ranked worker, as the gateway does. Every request ends 
 a result: finished, shed (no worker), refused, failed, or — past `max_drain_s` after
 the last arrival — "unfinished" (never dropped silently).
 
-Latencies are measured from arrival (no network in the simulator): TTFT = first
-token − arrival, TPOT = (last − first) / (n − 1), E2E = last − arrival.
+The HTTP path is two optional delays (`RouterSettings.route_delay`/`send_delay`, zero
+by default): an arrival is routed that long after it is issued, and reaches its worker
+that long after it is routed (the router counts it in flight from the decision on; a
+load report counts it from its submission). A refusal's retry pays the send delay
+again. Latencies are measured from arrival (the moment the client issues it): TTFT =
+first token − arrival, TPOT = (last − first) / (n − 1), E2E = last − arrival.
 `prefetch_hidden_s` of a request = the load time of the KV a prefetch had already
 raised when it was scheduled (`usage.kv.prefetched_tokens`), priced at the link
 bandwidth of the tiers the planner's estimate planned to prefetch from.
@@ -31,7 +35,7 @@ from typing import Any
 from kvindex.keys import digests64
 from kvindex.tiers import Tier
 from router.planner.registry import make_policy
-from router.planner.types import Estimate
+from router.planner.types import Decision, Estimate, RouteRequest
 from workers.sim import SimEngine, SimRequest
 from workers.sim.engine import BadRequest, QueueFull, Usage
 
@@ -42,7 +46,7 @@ from .router_model import Inflight, RouterSettings, SimRouter
 from .tokens import TokenSynth
 from .trace import Trace, TraceError, TraceRequest
 
-_ENGINE, _POLL, _ACTION, _ARRIVAL = 0, 1, 2, 3
+_ENGINE, _POLL, _ACTION, _ARRIVAL, _ROUTE, _SUBMIT = 0, 1, 2, 3, 4, 5
 
 Action = Callable[["Simulation", float], None]
 
@@ -72,6 +76,18 @@ class KeyCache:
             keys = self.keyer.keys(req)
             kd = self._cache[ck] = (keys, digests64(keys))
         return kd
+
+
+@dataclass(slots=True, eq=False)
+class _Routed:
+    """A routed request's attempts: the decision, its order of workers, the sends so far."""
+
+    d: Decision
+    rr: RouteRequest
+    keys: list[bytes]
+    tokens: array | None
+    order: list[str]
+    last_err: str = ""
 
 
 @dataclass(slots=True, eq=False)
@@ -208,60 +224,100 @@ class Simulation:
                             prompt_tokens=req.input_length)
         p = _Pending(rid, req, res, now)
         self._pending[rid] = p
+        delay = self.settings.router.route_delay(req.input_length)
+        if delay > 0.0:
+            self._push(now + delay, _ROUTE, p)
+        else:
+            self._route(p, now)
+
+    def _route(self, p: _Pending, now: float) -> None:
+        req = p.req
         keys, digests = self.keys.get(req)
         candidates = [w for w in self.router.workers if w not in self._draining]
         if not candidates:
             return self._fail(p, now, 503, "no worker", "shed")
-        d, rr = self.router.route(req.input_length, req.output_length, keys, digests, now, rid,
+        d, rr = self.router.route(req.input_length, req.output_length, keys, digests, now, p.rid,
                                   candidates if self._draining else None)
         if d.worker_id is None:
             return self._fail(p, now, 429, f"shed: {d.reason}", "shed")
         order = [d.worker_id] + [w for w in d.ranked if w != d.worker_id][: self.settings.router.retries]
         tokens = array("I", self.synth.token_bytes(req)) if not self.oracle else None
-        last_err = ""
-        for attempt, wid in enumerate(order):
-            w = self.router.workers.get(wid)
-            if w is None:
+        self._attempt(p, _Routed(d, rr, keys, tokens, order), 0, now)
+
+    def _attempt(self, p: _Pending, a: _Routed, i: int, now: float) -> None:
+        """Send to `a.order[i]` (then the next ones while they refuse at once)."""
+        req = p.req
+        send = self.settings.router.send_delay(req.input_length)
+        while i < len(a.order):
+            wid = a.order[i]
+            if wid not in self.router.workers:
+                i += 1
                 continue
-            est = self.router.estimate_for(d, wid)
+            est = self.router.estimate_for(a.d, wid)
             pf_blocks = 0
-            if attempt == 0:
-                pf_blocks = self.router.send_prefetch(d, rr, keys, wid, est, now, "p-" + rid)
+            if i == 0:
+                pf_blocks = self.router.send_prefetch(a.d, a.rr, a.keys, wid, est, now, "p-" + p.rid)
             prefill = est.recompute_tokens if est is not None and est.eligible else req.input_length
-            rec = self.router.dispatched(wid, prefill, req.input_length + req.output_length, now)
+            rec = self.router.dispatched(wid, prefill, req.input_length + req.output_length, now, est)
             p.worker, p.rec, p.est = wid, rec, est
-            p.predicted = d.predicted_ttft if wid == d.worker_id else (est.t_ttft if est else None)
-            sreq = SimRequest(
-                rid, req.input_length, req.output_length, keys=keys, token_ids=tokens,  # type: ignore[arg-type]
-                cache_salt=req.cache_salt, lora=req.lora,
-                on_first_token=lambda t, u, p=p: self._first(p, t, u),
-                on_finish=lambda t, u, p=p: self._finish(p, t, u),
-                on_error=lambda t, msg, p=p: self._fail(p, t, 500, msg),
-            )
-            try:
-                w.engine.submit(sreq, now)
-            except QueueFull as e:
-                self.router.finished(rec)
-                p.rec = None
-                if pf_blocks:
-                    w.engine.cancel_prefetch("p-" + rid)
-                self._reschedule(wid)
-                last_err = f"429 from {wid}: {e.message}"
-                self.counters["retries"] += attempt < len(order) - 1
-                continue
-            except BadRequest as e:
-                self.router.finished(rec)
-                p.rec = None
-                if pf_blocks:
-                    w.engine.cancel_prefetch("p-" + rid)
-                self._reschedule(wid)
-                return self._fail(p, now, e.status, e.message)
-            res.worker = wid
-            res.predicted_ttft_s = p.predicted
-            res.prefetch_blocks = pf_blocks
-            self._reschedule(wid)
+            p.predicted = a.d.predicted_ttft if wid == a.d.worker_id else (est.t_ttft if est else None)
+            if send > 0.0:
+                self._push(now + send, _SUBMIT, (p, a, i, pf_blocks))
+                return
+            if self._submit(p, a, i, pf_blocks, now):
+                return
+            i += 1
+        self._fail(p, now, 429, a.last_err or "no worker took the request")
+
+    def _submitted(self, x: tuple[_Pending, _Routed, int, int], now: float) -> None:
+        """A send reached its worker (or the worker is gone, or the request ended meanwhile)."""
+        p, a, i, pf_blocks = x
+        if self._pending.get(p.rid) is not p or p.rec is None:
+            return  # failed in transit (its worker was removed)
+        if p.worker not in self.router.workers:
+            self._fail(p, now, 0, f"worker {p.worker} is gone")
             return
-        self._fail(p, now, 429, last_err or "no worker took the request")
+        if not self._submit(p, a, i, pf_blocks, now):
+            self._attempt(p, a, i + 1, now)
+
+    def _submit(self, p: _Pending, a: _Routed, i: int, pf_blocks: int, now: float) -> bool:
+        """Hand the request to its worker's engine. False: refused with 429, try the next."""
+        req, res, rec = p.req, p.res, p.rec
+        assert rec is not None and p.worker is not None
+        wid = p.worker
+        w = self.router.workers[wid]
+        sreq = SimRequest(
+            p.rid, req.input_length, req.output_length, keys=a.keys, token_ids=a.tokens,  # type: ignore[arg-type]
+            cache_salt=req.cache_salt, lora=req.lora,
+            on_first_token=lambda t, u, p=p: self._first(p, t, u),
+            on_finish=lambda t, u, p=p: self._finish(p, t, u),
+            on_error=lambda t, msg, p=p: self._fail(p, t, 500, msg),
+        )
+        try:
+            w.engine.submit(sreq, now)
+        except QueueFull as e:
+            self.router.finished(rec)
+            p.rec = None
+            if pf_blocks:
+                w.engine.cancel_prefetch("p-" + p.rid)
+            self._reschedule(wid)
+            a.last_err = f"429 from {wid}: {e.message}"
+            self.counters["retries"] += i < len(a.order) - 1
+            return False
+        except BadRequest as e:
+            self.router.finished(rec)
+            p.rec = None
+            if pf_blocks:
+                w.engine.cancel_prefetch("p-" + p.rid)
+            self._reschedule(wid)
+            self._fail(p, now, e.status, e.message)
+            return True
+        self.router.accepted(rec, now)
+        res.worker = wid
+        res.predicted_ttft_s = p.predicted
+        res.prefetch_blocks = pf_blocks
+        self._reschedule(wid)
+        return True
 
     def _first(self, p: _Pending, t: float, u: Usage) -> None:
         p.first = t
@@ -354,9 +410,14 @@ class Simulation:
                 x(self, t)
                 for wid in list(engines):
                     self._reschedule(wid)
-            else:
+            elif kind == _ARRIVAL:
                 self._arrivals_left -= 1
                 self._arrive(x, t)
+            elif kind == _ROUTE:
+                if self._pending.get(x.rid) is x:
+                    self._route(x, t)
+            else:
+                self._submitted(x, t)
             self._maybe_drain_out(t)
         for p in list(self._pending.values()):
             self.counters["unfinished"] += 1

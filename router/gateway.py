@@ -451,6 +451,7 @@ class Gateway:
         if url is None:
             url = w.completions_url = URL(w.url + "/v1/completions")
         up = await open_stream(self.session, url, self._upstream_payload(prep, w), w.id, self._upstream_timeout)
+        self.pool.accepted(rec)
         batches = up.batches()
         res = _Result()
         render = (chat_chunk if prep.chat else comp_chunk) if prep.stream else None

@@ -499,8 +499,11 @@ class WorkerPool:
             v.running_requests = vl.running_requests
             v.waiting_prefill_tokens = 0
             if vl.kv_usage is not None:
-                v.gpu_capacity_blocks = 10_000  # vLLM exports a fraction only: a per-10k scale
-                v.gpu_free_blocks = int(round((1.0 - vl.kv_usage) * 10_000))
+                # Its block count comes from cache_config_info; without it, a per-10k scale
+                # (the policies then compare workers by fraction only).
+                cap = vl.gpu_blocks or 10_000
+                v.gpu_capacity_blocks = cap
+                v.gpu_free_blocks = int(round((1.0 - vl.kv_usage) * cap))
         w.load_t = time.monotonic()
         w.report_sent_t = sent
         w.ledger.report_taken(sent)
@@ -537,9 +540,13 @@ class WorkerPool:
         w.ledger.fill_counts(w.view)
         return r
 
+    def accepted(self, r: Inflight) -> None:
+        """The worker answered 200: reports asked for from now on include the request."""
+        r.worker.ledger.accepted(r.ticket, time.monotonic())
+
     def first_token(self, r: Inflight) -> None:
         w = r.worker
-        w.ledger.first_token(r.ticket)
+        w.ledger.first_token(r.ticket, time.monotonic())
         w.ledger.fill_counts(w.view)
 
     def finished(self, r: Inflight) -> None:

@@ -168,3 +168,58 @@ def test_cli_simulate_report_and_errors(tmp_path: Path, capsys: pytest.CaptureFi
     assert len(back) == 50
     assert main(["scenario", "list"]) == 0
     assert main(["scenario", "nope"]) == 2
+
+
+def _two_at_once(first_tokens: int, second_tokens: int) -> object:
+    from loadtest.trace import Trace, TraceRequest
+
+    a = TraceRequest(0, 0.0, first_tokens, 4, tuple(range(1000, 1000 + -(-first_tokens // 512))))
+    b = TraceRequest(1, 0.0, second_tokens, 4, tuple(range(5000, 5000 + -(-second_tokens // 512))))
+    return Trace("pair", 512, [a, b])
+
+
+def test_transport_delays_are_paid_and_reorder_arrivals_at_the_worker() -> None:
+    """Issued together, a long prompt first: with no transport the worker starts the long
+    one and the short one waits for its whole prefill; with a per-token delay the short
+    one gets there first (as over HTTP), and both TTFTs include what the path costs."""
+    trace = _two_at_once(60_000, 1_000)
+    one = FleetSpec(workers=1, profile=sized_profile(gpu_tokens=150_000), block_size=64)
+    pure = Simulation(trace, "round_robin", _settings(fleet=one)).run()  # type: ignore[arg-type]
+    rs = RouterSettings(route_delay_s=0.002, route_delay_s_per_token=1e-7, send_delay_s=0.003,
+                        send_delay_s_per_token=2e-7)
+    http = Simulation(trace, "round_robin", _settings(fleet=one, router=rs)).run()  # type: ignore[arg-type]
+    long_p, short_p = pure.results
+    long_h, short_h = http.results
+    assert short_p.ttft_s > long_p.ttft_s * 0.9  # waited behind the long prefill
+    assert short_h.ttft_s < long_h.ttft_s / 5  # overtook it
+    assert short_h.queue_ms < 1.0
+    # alone, a request pays exactly both delays on top of the pure model
+    solo = trace.with_requests([trace.requests[1]])
+    a = Simulation(solo, "round_robin", _settings(fleet=one)).run().results[0]  # type: ignore[arg-type]
+    b = Simulation(solo, "round_robin", _settings(fleet=one, router=rs)).run().results[0]  # type: ignore[arg-type]
+    assert b.ttft_s - a.ttft_s == pytest.approx(0.005 + 3e-7 * 1_000, abs=1e-9)
+
+
+def test_a_request_in_transit_counts_for_its_worker_until_a_report_has_it() -> None:
+    """Polls taken while a request is on its way cannot know it: the router keeps counting
+    it, so a cold prompt 100 ms later does not pile onto the same "most room" worker."""
+    pair = _two_at_once(2_000, 2_000)
+    trace = pair.with_requests([pair.requests[0], replace(pair.requests[1], arrival_s=0.1)])  # type: ignore[attr-defined]
+    two = FleetSpec(workers=2, profile=sized_profile(gpu_tokens=150_000), block_size=64)
+    rs = RouterSettings(send_delay_s=0.5, poll_interval_s=0.01)
+    run = Simulation(trace, "cache_aware", _settings(fleet=two, router=rs)).run()  # type: ignore[arg-type]
+    assert [r.worker for r in run.results] == ["w0", "w1"]
+
+
+def test_cli_delay_flags(tmp_path: Path) -> None:
+    out = tmp_path / "d"
+    assert main(["simulate", "--trace", MOONCAKE, "--limit", "5", "--workers", "2", "--policies", "round_robin",
+                 "--route-delay", "0.001,1e-7", "--send-delay", "0.002", "--out", str(out), "--no-plots"]) == 0
+    r = read_runs(out / "results.jsonl")[0].meta.params["router"]
+    assert (r["route_delay_s"], r["route_delay_s_per_token"], r["send_delay_s"], r["send_delay_s_per_token"]) == (
+        0.001, 1e-7, 0.002, 0.0)
+    with pytest.raises(SystemExit):
+        main(["simulate", "--trace", MOONCAKE, "--limit", "5", "--send-delay", "-1"])
+    with pytest.raises(SystemExit):
+        main(["simulate", "--trace", MOONCAKE, "--limit", "5", "--send-delay", "1,2,3"])
+

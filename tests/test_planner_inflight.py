@@ -48,8 +48,9 @@ def test_counts_follow_dispatch_first_token_and_finish() -> None:
 def test_report_knows_what_was_dispatched_before_it_was_asked_for() -> None:
     led, v = InflightLedger(), view()
     old = led.dispatched(1.0, 400, 800)
+    led.accepted(old, 1.01)
     pre = led.dispatched(2.0, 100, 200)
-    led.first_token(pre)
+    led.first_token(pre, 2.2)  # a first token also shows the worker holds it
     new = led.dispatched(3.0, 50, 100)
     led.report_taken(2.5)  # the report was asked for at 2.5: it knows `old` and `pre`
     led.fill_counts(v)
@@ -65,6 +66,15 @@ def test_report_knows_what_was_dispatched_before_it_was_asked_for() -> None:
     assert v.inflight_since_report_prefill_tokens == 0 and v.inflight_since_report_requests == 1
     led.report_taken(3.0)  # dispatched exactly when the report was asked for: not known yet
     assert new.since_report
+    late = led.dispatched(3.1, 10, 20)
+    led.report_taken(3.2)  # dispatched before the report was asked for, but not yet accepted
+    assert late.since_report and not old.since_report
+    led.accepted(late, 3.3)
+    led.report_taken(3.25)  # accepted only after the report was asked for
+    assert late.since_report
+    led.report_taken(3.4)
+    assert not late.since_report
+    led.finished(late)
     led.report_taken()  # an instantaneous report knows everything in flight
     led.fill_counts(v)
     assert not new.since_report and not pre.since_report

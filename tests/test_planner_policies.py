@@ -153,6 +153,30 @@ def test_cache_aware_match_threshold_and_imbalance():
     assert d.reason == "imbalanced" and d.worker_id != "w1"
 
 
+def test_cache_aware_spreads_misses_that_arrive_between_two_polls():
+    """16 cold prompts at once (Mooncake arrives in bursts): the report's free count has not
+    moved, but what the router already sent somewhere counts against that worker's room."""
+    p = make_policy("cache_aware")
+    ws = fleet(4, gpu_free_blocks=9_500, gpu_capacity_blocks=10_000)
+    ws[0].gpu_free_blocks = 10_000  # the most room at the last poll
+    for w in ws:
+        w.inflight_since_report_requests = 0
+        w.inflight_since_report_prefill_tokens = 0
+    got: collections.Counter = collections.Counter()
+    for s in range(16):
+        d = p.choose(request(4000, seed=s), ws)
+        assert d.reason == "cache_miss"
+        got[d.worker_id] += 1
+        w = next(w for w in ws if w.worker_id == d.worker_id)
+        w.inflight_since_report_requests += 1
+        w.inflight_since_report_prefill_tokens += 4000
+    assert len(got) == 4 and got["w0"] <= 5  # a report-only view sends all 16 to w0
+    # Without the router's own accounting (another router's traffic): the report's queue counts.
+    ws = fleet(2, gpu_free_blocks=1000)
+    ws[0].waiting_prefill_tokens = 800 * B
+    assert p.choose(request(4000), ws).worker_id == "w1"
+
+
 def test_dynamo_overlap_vs_load():
     p = make_policy("dynamo")
     ws = fleet(3)

@@ -125,7 +125,14 @@ vllm:num_requests_running{engine="0",model_name="m"} 7.0
 vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
 """
     v = parse_vllm_metrics(text)
-    assert (v.waiting_requests, v.running_requests, v.kv_usage) == (3, 7, 0.25)
+    assert (v.waiting_requests, v.running_requests, v.kv_usage, v.gpu_blocks) == (3, 7, 0.25, None)
+    info = text + (
+        '# TYPE vllm:cache_config_info gauge\n'
+        'vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="0",num_gpu_blocks="661"} 1.0\n'
+        'vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="1",num_gpu_blocks="339"} 1.0\n'
+    )
+    assert parse_vllm_metrics(info).gpu_blocks == 1000  # two engines behind one server add up
+    assert parse_vllm_metrics(info.replace('"661"', '"None"').replace('"339"', '"None"')).gpu_blocks is None
     old = text.replace("kv_cache_usage_perc", "gpu_cache_usage_perc")
     assert parse_vllm_metrics(old).kv_usage == 0.25
     with pytest.raises(ValueError):

@@ -5,8 +5,10 @@ fleet is imbalanced — `max_load - min_load > balance_abs_threshold` and
 `max_load > balance_rel_threshold * min_load`, load = outstanding requests — send to
 the least loaded worker. Otherwise take the worker with the longest prefix match if
 it covers more than `cache_threshold` of the prompt; below that, the worker with the
-most free GPU blocks (SGLang: the smallest radix tree, i.e. the most cache room).
-SGLang's tree mirrors only what it routed, with no notion of tiers; here the match
+most free GPU blocks once the prompts already queued there are admitted (SGLang: the
+smallest radix tree, which grows the moment it routes; a polled free count alone would
+send every miss between two polls to the same worker). SGLang's tree mirrors only what
+it routed, with no notion of tiers; here the match
 comes from the global index and counts blocks in any tier (`gpu_only` narrows it to
 the leading GPU run). Ties go to the less loaded worker.
 """
@@ -17,7 +19,7 @@ from collections.abc import Sequence
 from kvindex.tiers import Tier
 
 from .base import PolicyBase, check_bool, check_number
-from .load import outstanding_requests
+from .load import free_blocks_after_queue, outstanding_requests
 from .types import Decision, RouteRequest, WorkerView
 
 
@@ -63,7 +65,8 @@ class CacheAwarePolicy(PolicyBase):
             if matched[best] and rate > self.cache_threshold:
                 pick, reason = best, "cache_hit"
             else:
-                pick = min(range(len(ok)), key=lambda i: (-ok[i].gpu_free_blocks, loads[i]))
+                room = [free_blocks_after_queue(w) for w in ok]
+                pick = min(range(len(ok)), key=lambda i: (-room[i], loads[i]))
                 reason = "cache_miss"
         ranked = [ok[pick].worker_id] + [ok[i].worker_id for i in by_load if i != pick]
         return self._decide(req, ok[pick], ranked, reason)

@@ -34,7 +34,8 @@ class Ticket:
     prefill_tokens: int
     kv_tokens: int
     t_dispatch: float
-    since_report: bool = True  # dispatched after the last report was taken
+    since_report: bool = True  # not known to the last report
+    accepted_at: float | None = None  # when the worker was seen to hold it (its 200 came back)
     prefilled: bool = False
     done: bool = False
     ready_at: float | None = None  # predicted prefill start, when it loads KV from below GPU
@@ -72,10 +73,17 @@ class InflightLedger:
         self.kv_tokens = (self.kv_tokens or 0) + kv_tokens
         return r
 
-    def first_token(self, r: Ticket) -> None:
+    def accepted(self, r: Ticket, now: float) -> None:
+        """The worker answered 200 for it: any report asked for from now on includes it."""
+        if r.accepted_at is None:
+            r.accepted_at = now
+
+    def first_token(self, r: Ticket, now: float | None = None) -> None:
         """Its prefill is done: its prefill tokens (and its load) leave the counts."""
         if r.prefilled or r.done:
             return
+        if r.accepted_at is None and now is not None:
+            r.accepted_at = now
         r.prefilled = True
         self.prefill_tokens -= r.prefill_tokens
         if r.since_report and self.since_prefill_tokens:
@@ -95,13 +103,17 @@ class InflightLedger:
             self.kv_tokens -= r.kv_tokens
 
     def report_taken(self, sent_at: float | None = None) -> None:
-        """A load report was just taken. It knows every request dispatched before it was
-        asked for (`sent_at`; None: all in flight, as for an instantaneous poll); the
-        rest stay `since_report` and are re-counted."""
+        """A load report was just taken. It surely knows the requests the worker had
+        accepted before the report was asked for (`sent_at`; None: all in flight, as for
+        an instantaneous poll). One merely dispatched before `sent_at` may still be on
+        the wire, or unread by the worker, when it answers: counting it as known would
+        drop it from both the report and the router's own count, and send the next
+        burst to that worker. So the rest stay `since_report` and are re-counted (at
+        worst counted twice until the next report)."""
         n = 0
         toks = 0
         for r in self.live:
-            r.since_report = sent_at is not None and r.t_dispatch >= sent_at
+            r.since_report = sent_at is not None and (r.accepted_at is None or r.accepted_at > sent_at)
             if r.since_report:
                 n += 1
                 if not r.prefilled:

@@ -108,6 +108,29 @@ def pending_prefill_tokens(w: WorkerView) -> int:
     return reported if reported > w.inflight_prefill_tokens else w.inflight_prefill_tokens
 
 
+def queued_prefill_tokens(w: WorkerView) -> int:
+    """Prompt tokens sent to the worker that it has not admitted yet (no KV blocks of their
+    own so far): the report's waiting tokens plus what was dispatched since it."""
+    since = w.inflight_since_report_prefill_tokens
+    if since is not None:
+        return w.waiting_prefill_tokens + since
+    mine = w.inflight_prefill_tokens
+    return w.waiting_prefill_tokens if w.waiting_prefill_tokens > mine else mine
+
+
+def free_blocks_after_queue(w: WorkerView) -> int:
+    """GPU blocks free once the queued prompts are admitted (may be negative).
+
+    The report's free count moves only when the worker admits a request, and only at the
+    next poll; requests routed meanwhile would all see the same "most room" worker. This
+    charges what is already headed there, as SGLang's router grows a worker's tree the
+    moment it routes to it."""
+    queued = queued_prefill_tokens(w)
+    if queued <= 0:
+        return w.gpu_free_blocks
+    return w.gpu_free_blocks - -(-queued // max(w.cost.block_size, 1))
+
+
 def at_cap(w: WorkerView) -> bool:
     """True when the worker's waiting queue is full (it would answer 429)."""
     return w.max_waiting is not None and waiting_requests(w) >= w.max_waiting
