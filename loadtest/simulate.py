@@ -295,23 +295,18 @@ class Simulation:
         )
         try:
             w.engine.submit(sreq, now)
-        except QueueFull as e:
-            self.router.finished(rec)
+        except (QueueFull, BadRequest) as e:
+            self.router.finished(rec)  # the worker never held it: undo the dispatch
             p.rec = None
             if pf_blocks:
                 w.engine.cancel_prefetch("p-" + p.rid)
             self._reschedule(wid)
+            if isinstance(e, BadRequest):
+                self._fail(p, now, e.status, e.message)
+                return True
             a.last_err = f"429 from {wid}: {e.message}"
             self.counters["retries"] += i < len(a.order) - 1
             return False
-        except BadRequest as e:
-            self.router.finished(rec)
-            p.rec = None
-            if pf_blocks:
-                w.engine.cancel_prefetch("p-" + p.rid)
-            self._reschedule(wid)
-            self._fail(p, now, e.status, e.message)
-            return True
         self.router.accepted(rec, now)
         res.worker = wid
         res.predicted_ttft_s = p.predicted
