@@ -118,45 +118,24 @@ class LazyBlockStored(msgspec.Struct, tag="BlockStored", omit_defaults=True, gc=
 LazyKVEvent = Union[LazyBlockStored, BlockRemoved, AllBlocksCleared]
 
 
-class _BlockStoredPos(msgspec.Struct, tag="BlockStored", array_like=True, gc=False):
-    block_hashes: list[BlockHash]
-    parent_block_hash: BlockHash | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None = None
-    medium: str | None = None
-    lora_name: str | None = None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
+# Positional forms (vLLM's array_like encoding): the public structs' fields, in order.
+class _BlockStoredPos(BlockStored, tag="BlockStored", array_like=True):
+    pass
 
 
-class _BlockRemovedPos(msgspec.Struct, tag="BlockRemoved", array_like=True, gc=False):
-    block_hashes: list[BlockHash]
-    medium: str | None = None
-    group_idx: int | None = None
+class _BlockRemovedPos(BlockRemoved, tag="BlockRemoved", array_like=True):
+    pass
 
 
-class _AllBlocksClearedPos(msgspec.Struct, tag="AllBlocksCleared", array_like=True, gc=False):
+class _AllBlocksClearedPos(AllBlocksCleared, tag="AllBlocksCleared", array_like=True):
     pass
 
 
 _PosEvent = Union[_BlockStoredPos, _BlockRemovedPos, _AllBlocksClearedPos]
 
 
-class _LazyBlockStoredPos(msgspec.Struct, tag="BlockStored", array_like=True, gc=False):
-    block_hashes: list[BlockHash]
-    parent_block_hash: BlockHash | None
-    token_ids: msgspec.Raw
-    block_size: int
-    lora_id: int | None = None
-    medium: str | None = None
-    lora_name: str | None = None
-    extra_keys: msgspec.Raw = _NIL
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
+class _LazyBlockStoredPos(LazyBlockStored, tag="BlockStored", array_like=True):
+    pass
 
 
 _LazyPosEvent = Union[_LazyBlockStoredPos, _BlockRemovedPos, _AllBlocksClearedPos]

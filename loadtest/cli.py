@@ -16,6 +16,7 @@ Every command writes results as JSONL plus a Markdown report with PNG plots into
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from pathlib import Path
@@ -406,7 +407,7 @@ def _delay(text: str) -> tuple[float, float]:
         vals = [float(p) for p in parts]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected S or S,S_PER_TOKEN (seconds), got {text!r}") from None
-    if len(vals) > 2 or any(not (v >= 0.0) or v == float("inf") for v in vals):
+    if len(vals) > 2 or not all(math.isfinite(v) and v >= 0.0 for v in vals):
         raise argparse.ArgumentTypeError(f"expected one or two finite non-negative numbers, got {text!r}")
     return (vals[0], vals[1] if len(vals) > 1 else 0.0)
 

@@ -80,13 +80,15 @@ class KeyCache:
 
 @dataclass(slots=True, eq=False)
 class _Routed:
-    """A routed request's attempts: the decision, its order of workers, the sends so far."""
+    """A routed request's attempts: the decision, its order of workers, the one under way."""
 
     d: Decision
     rr: RouteRequest
     keys: list[bytes]
     tokens: array | None
     order: list[str]
+    i: int = 0  # the attempt under way: `order[i]`
+    pf_blocks: int = 0  # blocks its prefetch asked for (attempt 0 only)
     last_err: str = ""
 
 
@@ -101,6 +103,7 @@ class _Pending:
     predicted: float | None = None
     est: Estimate | None = None
     first: float | None = None
+    routed: _Routed | None = None
 
 
 class Simulation:
@@ -242,48 +245,51 @@ class Simulation:
             return self._fail(p, now, 429, f"shed: {d.reason}", "shed")
         order = [d.worker_id] + [w for w in d.ranked if w != d.worker_id][: self.settings.router.retries]
         tokens = array("I", self.synth.token_bytes(req)) if not self.oracle else None
-        self._attempt(p, _Routed(d, rr, keys, tokens, order), 0, now)
+        p.routed = _Routed(d, rr, keys, tokens, order)
+        self._attempt(p, now)
 
-    def _attempt(self, p: _Pending, a: _Routed, i: int, now: float) -> None:
-        """Send to `a.order[i]` (then the next ones while they refuse at once)."""
+    def _attempt(self, p: _Pending, now: float) -> None:
+        """Send to `order[i]` (then the next ones while they refuse at once)."""
+        a = p.routed
+        assert a is not None
         req = p.req
         send = self.settings.router.send_delay(req.input_length)
-        while i < len(a.order):
-            wid = a.order[i]
+        while a.i < len(a.order):
+            wid = a.order[a.i]
             if wid not in self.router.workers:
-                i += 1
+                a.i += 1
                 continue
             est = self.router.estimate_for(a.d, wid)
-            pf_blocks = 0
-            if i == 0:
-                pf_blocks = self.router.send_prefetch(a.d, a.rr, a.keys, wid, est, now, "p-" + p.rid)
+            a.pf_blocks = 0
+            if a.i == 0:
+                a.pf_blocks = self.router.send_prefetch(a.d, a.rr, a.keys, wid, est, now, "p-" + p.rid)
             prefill = est.recompute_tokens if est is not None and est.eligible else req.input_length
             rec = self.router.dispatched(wid, prefill, req.input_length + req.output_length, now, est)
             p.worker, p.rec, p.est = wid, rec, est
             p.predicted = a.d.predicted_ttft if wid == a.d.worker_id else (est.t_ttft if est else None)
             if send > 0.0:
-                self._push(now + send, _SUBMIT, (p, a, i, pf_blocks))
+                self._push(now + send, _SUBMIT, p)
                 return
-            if self._submit(p, a, i, pf_blocks, now):
+            if self._submit(p, now):
                 return
-            i += 1
+            a.i += 1
         self._fail(p, now, 429, a.last_err or "no worker took the request")
 
-    def _submitted(self, x: tuple[_Pending, _Routed, int, int], now: float) -> None:
-        """A send reached its worker (or the worker is gone, or the request ended meanwhile)."""
-        p, a, i, pf_blocks = x
+    def _submitted(self, p: _Pending, now: float) -> None:
+        """A send reached its worker, unless the request failed in transit (its worker
+        was removed: `remove_worker` fails what is bound for it too)."""
         if self._pending.get(p.rid) is not p or p.rec is None:
-            return  # failed in transit (its worker was removed)
-        if p.worker not in self.router.workers:
-            self._fail(p, now, 0, f"worker {p.worker} is gone")
             return
-        if not self._submit(p, a, i, pf_blocks, now):
-            self._attempt(p, a, i + 1, now)
+        if not self._submit(p, now):
+            assert p.routed is not None
+            p.routed.i += 1
+            self._attempt(p, now)
 
-    def _submit(self, p: _Pending, a: _Routed, i: int, pf_blocks: int, now: float) -> bool:
+    def _submit(self, p: _Pending, now: float) -> bool:
         """Hand the request to its worker's engine. False: refused with 429, try the next."""
-        req, res, rec = p.req, p.res, p.rec
-        assert rec is not None and p.worker is not None
+        req, res, rec, a = p.req, p.res, p.rec, p.routed
+        assert rec is not None and p.worker is not None and a is not None
+        pf_blocks = a.pf_blocks
         wid = p.worker
         w = self.router.workers[wid]
         sreq = SimRequest(
@@ -305,7 +311,7 @@ class Simulation:
                 self._fail(p, now, e.status, e.message)
                 return True
             a.last_err = f"429 from {wid}: {e.message}"
-            self.counters["retries"] += i < len(a.order) - 1
+            self.counters["retries"] += a.i < len(a.order) - 1
             return False
         self.router.accepted(rec, now)
         res.worker = wid

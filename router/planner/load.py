@@ -81,41 +81,34 @@ def queue_seconds(w: WorkerView, cost: CostParams | None = None, scale: float = 
     return aged
 
 
-def outstanding_requests(w: WorkerView) -> int:
-    """Requests on the worker (waiting + running), the load counts compare."""
-    reported = w.waiting_requests + w.running_requests
-    since = w.inflight_since_report_requests
+def _joined(reported: int, since: int | None, mine: int) -> int:
+    """A report's count joined with the router's own (the module doc's two cases): what
+    was dispatched since the report adds; without that split, the larger of the two."""
     if since is not None:
         return reported + since
-    return reported if reported > w.inflight_requests else w.inflight_requests
+    return reported if reported > mine else mine
+
+
+def outstanding_requests(w: WorkerView) -> int:
+    """Requests on the worker (waiting + running), the load counts compare."""
+    return _joined(w.waiting_requests + w.running_requests, w.inflight_since_report_requests, w.inflight_requests)
 
 
 def waiting_requests(w: WorkerView) -> int:
     """Requests waiting on the worker (not started), for its `max_waiting` cap."""
-    since = w.inflight_since_report_requests
-    if since is not None:
-        return w.waiting_requests + since
-    mine = w.inflight_requests - w.running_requests
-    return w.waiting_requests if w.waiting_requests > mine else mine
+    return _joined(w.waiting_requests, w.inflight_since_report_requests, w.inflight_requests - w.running_requests)
 
 
 def pending_prefill_tokens(w: WorkerView) -> int:
     """Prompt tokens queued or being prefilled on the worker."""
-    reported = w.waiting_prefill_tokens + w.running_prefill_tokens
-    since = w.inflight_since_report_prefill_tokens
-    if since is not None:
-        return reported + since
-    return reported if reported > w.inflight_prefill_tokens else w.inflight_prefill_tokens
+    return _joined(w.waiting_prefill_tokens + w.running_prefill_tokens, w.inflight_since_report_prefill_tokens,
+                   w.inflight_prefill_tokens)
 
 
 def queued_prefill_tokens(w: WorkerView) -> int:
     """Prompt tokens sent to the worker that it has not admitted yet (no KV blocks of their
     own so far): the report's waiting tokens plus what was dispatched since it."""
-    since = w.inflight_since_report_prefill_tokens
-    if since is not None:
-        return w.waiting_prefill_tokens + since
-    mine = w.inflight_prefill_tokens
-    return w.waiting_prefill_tokens if w.waiting_prefill_tokens > mine else mine
+    return _joined(w.waiting_prefill_tokens, w.inflight_since_report_prefill_tokens, w.inflight_prefill_tokens)
 
 
 def free_blocks_after_queue(w: WorkerView) -> int:
@@ -124,7 +117,9 @@ def free_blocks_after_queue(w: WorkerView) -> int:
     The report's free count moves only when the worker admits a request, and only at the
     next poll; requests routed meanwhile would all see the same "most room" worker. This
     charges what is already headed there, as SGLang's router grows a worker's tree the
-    moment it routes to it."""
+    moment it routes to it. A vLLM worker without `cache_config_info` reports free
+    blocks on a per-10k scale (router/pool.py); the queued blocks then weigh more or less
+    than real ones, by the ratio of its true capacity to 10k."""
     queued = queued_prefill_tokens(w)
     if queued <= 0:
         return w.gpu_free_blocks
