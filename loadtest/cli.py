@@ -153,20 +153,31 @@ def _trace_notes(trace: Trace, speed: float) -> list[str]:
 
 def _sim_settings(args: argparse.Namespace, tiers: str) -> Any:
     from .fleet import FleetSpec
-    from .router_model import RouterSettings
     from .simulate import SimSettings
 
     return SimSettings(
         fleet=FleetSpec(workers=args.workers, profile=args.profile, tiers=tiers, block_size=args.block_size,
                         remote_groups=args.remote_groups, max_waiting=args.max_waiting),
-        router=RouterSettings(poll_interval_s=args.poll_interval, event_lag_s=args.event_lag,
-                              prefetch=not args.no_prefetch,
-                              route_delay_s=args.route_delay[0], route_delay_s_per_token=args.route_delay[1],
-                              send_delay_s=args.send_delay[0], send_delay_s_per_token=args.send_delay[1]),
+        router=_router_settings(args),
         speed=args.speed,
         vocab_size=args.vocab_size,
         seed=args.seed,
     )
+
+
+def _router_settings(args: argparse.Namespace) -> Any:
+    """`--transport` first, then any explicit `--route-delay` / `--send-delay` over it."""
+    from dataclasses import replace
+
+    from .router_model import RouterSettings
+
+    rs = RouterSettings(poll_interval_s=args.poll_interval, event_lag_s=args.event_lag,
+                        prefetch=not args.no_prefetch).with_transport(args.transport, args.transport_seed)
+    if args.route_delay is not None:
+        rs = replace(rs, route_delay_s=args.route_delay[0], route_delay_s_per_token=args.route_delay[1])
+    if args.send_delay is not None:
+        rs = replace(rs, send_delay_s=args.send_delay[0], send_delay_s_per_token=args.send_delay[1])
+    return rs
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -304,7 +315,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
         policies=[p.strip() for p in args.policies.split(",") if p.strip()],
         workers=args.workers, profile=args.profile, speed=args.speed, block_size=args.block_size,
         tolerance=args.tolerance, seed=args.seed, vocab_size=args.vocab_size, base_port=args.base_port,
-        python=args.python,
+        python=args.python, transport=args.offline_transport, offline_seeds=args.offline_seeds,
+        http_runs=args.http_runs,
     )
     ok = run_compare(trace, cfg, _out_dir(args.out, "compare"))
     return 0 if ok else 1
@@ -373,6 +385,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tolerance", type=float, default=0.10)
     p.add_argument("--base-port", type=int, default=0, help="first worker port (0 = pick free ports)")
     p.add_argument("--python", default=sys.executable, help="interpreter for the sim cluster and gateway")
+    p.add_argument("--offline-transport", default="local-http",
+                   help="the offline side's model of the HTTP path: local-http (measured on this stack) | none")
+    p.add_argument("--offline-seeds", type=int, default=9, help="draws of the transport jitter (median p50)")
+    p.add_argument("--http-runs", type=int, default=1, help="HTTP replays per policy (median p50)")
     p.add_argument("--out", default=None)
     p.set_defaults(fn=cmd_compare)
 
@@ -394,9 +410,13 @@ def _add_fleet_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--poll-interval", type=float, default=0.1, help="load-report poll period (s), as the gateway")
     g.add_argument("--event-lag", type=float, default=0.0, help="KV-event delivery delay (s)")
     g.add_argument("--no-prefetch", action="store_true")
-    g.add_argument("--route-delay", type=_delay, default=(0.0, 0.0), metavar="S[,S_PER_TOKEN]",
+    g.add_argument("--transport", default="none",
+                   help="model of the HTTP path: none (the pure model) | local-http (measured on this project's "
+                        "stack: intake, large-body lag, jitter, 20 ms fixed)")
+    g.add_argument("--transport-seed", type=int, default=0, help="seed of the transport's jitter")
+    g.add_argument("--route-delay", type=_delay, default=None, metavar="S[,S_PER_TOKEN]",
                    help="client → gateway delay before routing, seconds [+ seconds per prompt token]")
-    g.add_argument("--send-delay", type=_delay, default=(0.0, 0.0), metavar="S[,S_PER_TOKEN]",
+    g.add_argument("--send-delay", type=_delay, default=None, metavar="S[,S_PER_TOKEN]",
                    help="gateway → worker delay (and the first byte back), seconds [+ seconds per prompt token]")
 
 

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvindex.events import KVEvent
@@ -74,31 +74,61 @@ class RouterSettings:
     prefetch_margin_s: float = 0.05
     prefetch_min_deadline_s: float = 0.2
     retries: int = 1
-    # The network between client, gateway and workers (0 = none, the pure model): a
-    # request is routed `route_delay_s + route_delay_s_per_token * prompt` after it is
-    # issued (client → gateway) and reaches its worker `send_delay_s +
-    # send_delay_s_per_token * prompt` after that (gateway → worker). Each request pays
-    # its own delays independently, so a per-token part lets a short prompt overtake a
-    # long one issued with it, which with FCFS chunked prefill moves the long one's
-    # neighbours by its whole prefill. That is right for independent network paths, not
-    # for processes that share one event loop: on this host's HTTP stack, idle-probed
-    # per-token costs (100-500 ns/token) applied this way cut every policy's offline
-    # p50 on the Mooncake slice by 20-35% below what the same HTTP replay measured,
-    # while zero delays matched it (loadtest/README.md). Use fixed delays for network
-    # latency; add per-token ones only for a slow link.
+    # The HTTP path between client, gateway and workers (all zero = none, the pure
+    # model). An issued request first passes the gateway's intake, one request at a
+    # time for `intake_s` each (one event loop: a burst leaves it in issue order, spread
+    # out); it is routed `route_delay(prompt)` after that, plus a uniform random
+    # `[0, route_jitter_s)` drawn from `transport_seed`; it reaches its worker
+    # `send_delay(prompt)` after the decision. A per-token delay counts only the tokens
+    # beyond `delay_free_tokens`: a body that fits one read of the event loop
+    # keeps its place, a larger one needs several turns and is overtaken by the short
+    # requests issued with it. That matters: with FCFS chunked prefill a short prompt
+    # queued behind an 87k-token one waits its whole prefill, so the order inside a
+    # burst of identical timestamps moves a 300-request p50 by 15-25%
+    # (loadtest/README.md, "Offline vs HTTP"). `TRANSPORTS["local-http"]` holds the
+    # values measured on this project's HTTP stack; each request's delays are its own.
+    intake_s: float = 0.0
     route_delay_s: float = 0.0
     route_delay_s_per_token: float = 0.0
+    delay_free_tokens: int = 0
+    route_jitter_s: float = 0.0
     send_delay_s: float = 0.0
     send_delay_s_per_token: float = 0.0
+    transport_seed: int = 0
 
     def route_delay(self, prompt_tokens: int) -> float:
-        return self.route_delay_s + self.route_delay_s_per_token * prompt_tokens
+        over = prompt_tokens - self.delay_free_tokens
+        return self.route_delay_s + (self.route_delay_s_per_token * over if over > 0 else 0.0)
 
     def send_delay(self, prompt_tokens: int) -> float:
-        return self.send_delay_s + self.send_delay_s_per_token * prompt_tokens
+        over = prompt_tokens - self.delay_free_tokens
+        return self.send_delay_s + (self.send_delay_s_per_token * over if over > 0 else 0.0)
+
+    def with_transport(self, name: str, seed: int = 0) -> RouterSettings:
+        """These settings with a named transport model (`TRANSPORTS`) and jitter seed."""
+        if name not in TRANSPORTS:
+            raise ValueError(f"unknown transport {name!r}; known: {', '.join(sorted(TRANSPORTS))}")
+        return replace(self, **TRANSPORTS[name], transport_seed=seed)  # type: ignore[arg-type]
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__slots__}  # type: ignore[attr-defined]
+
+
+# Transport models for `RouterSettings.with_transport`. "local-http" was measured on this
+# project's own stack (replay client → gateway → sim-cluster on one 2-core host, 300
+# Mooncake requests, 4 workers): worker arrival times logged by the engine against the
+# trace's issue times. Requests of one burst reached the workers ~1 ms apart in issue
+# order (intake), except bodies above ~24k tokens, which fell behind by ~1 us per token
+# beyond that (and were overtaken in 9% of same-burst pairs); the rest scattered by a
+# few ms (rms 12 ms around the fit, of which the jitter models the part that reorders),
+# and client TTFT exceeded the worker's own by ~20 ms at the median (send delay).
+TRANSPORTS: dict[str, dict[str, float | int]] = {
+    "none": dict(intake_s=0.0, route_delay_s=0.0, route_delay_s_per_token=0.0, delay_free_tokens=0,
+                 route_jitter_s=0.0, send_delay_s=0.0, send_delay_s_per_token=0.0),
+    "local-http": dict(intake_s=0.001, route_delay_s=0.0, route_delay_s_per_token=5e-8,
+                       delay_free_tokens=24_000, route_jitter_s=0.002, send_delay_s=0.02,
+                       send_delay_s_per_token=1e-6),
+}
 
 
 @dataclass(slots=True, eq=False)

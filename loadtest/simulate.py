@@ -12,11 +12,11 @@ retried once on the next-ranked worker, as the gateway does. Every request ends 
 a result: finished, shed (no worker), refused, failed, or — past `max_drain_s` after
 the last arrival — "unfinished" (never dropped silently).
 
-The HTTP path is two optional delays (`RouterSettings.route_delay`/`send_delay`, zero
-by default): an arrival is routed that long after it is issued, and reaches its worker
-that long after it is routed (the router counts it in flight from the decision on; a
-load report counts it from its submission). A refusal's retry pays the send delay
-again. Latencies are measured from arrival (the moment the client issues it): TTFT =
+The HTTP path is optional (`RouterSettings`: intake, route delay and jitter, send
+delay; all zero by default): an arrival passes the gateway's one-at-a-time intake, is
+routed its route delay (and jitter) later, and reaches its worker its send delay after
+the decision (the router counts it in flight from the decision on; a load report counts
+it from its submission). A refusal's retry pays the send delay again. Latencies are measured from arrival (the moment the client issues it): TTFT =
 first token − arrival, TPOT = (last − first) / (n − 1), E2E = last − arrival.
 `prefetch_hidden_s` of a request = the load time of the KV a prefetch had already
 raised when it was scheduled (`usage.kv.prefetched_tokens`), priced at the link
@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
+import random
 import time
 from array import array
 from collections.abc import Callable, Iterable
@@ -153,6 +155,8 @@ class Simulation:
         self._actions = list(actions)
         self.removed: list[SimEngine] = []  # engines that left (their stats still count)
         self._draining: set[str] = set()
+        self._intake_free = -math.inf  # when the gateway's intake takes the next request
+        self._jitter = random.Random(settings.router.transport_seed)
 
     # ------------------------------------------------------------------ plumbing
 
@@ -227,11 +231,23 @@ class Simulation:
                             prompt_tokens=req.input_length)
         p = _Pending(rid, req, res, now)
         self._pending[rid] = p
-        delay = self.settings.router.route_delay(req.input_length)
-        if delay > 0.0:
-            self._push(now + delay, _ROUTE, p)
+        t = self._route_time(req.input_length, now)
+        if t > now:
+            self._push(t, _ROUTE, p)
         else:
             self._route(p, now)
+
+    def _route_time(self, prompt_tokens: int, now: float) -> float:
+        """When the gateway routes a request issued now (RouterSettings' HTTP path)."""
+        r = self.settings.router
+        t = now
+        if r.intake_s > 0.0:
+            t = max(t, self._intake_free) + r.intake_s
+            self._intake_free = t
+        t += r.route_delay(prompt_tokens)
+        if r.route_jitter_s > 0.0:
+            t += self._jitter.random() * r.route_jitter_s
+        return t
 
     def _route(self, p: _Pending, now: float) -> None:
         req = p.req

@@ -191,12 +191,35 @@ def test_compare_offline_vs_http_end_to_end(tmp_path: Path) -> None:
     from loadtest.traces import load_trace
 
     trace = load_trace("/work/shared/traces/mooncake_conversation_first_half.jsonl").window(limit=20)
-    cfg = CompareConfig(policies=["round_robin"], workers=2, tolerance=10.0)
+    cfg = CompareConfig(policies=["round_robin"], workers=2, tolerance=10.0, offline_seeds=3, http_runs=2)
     assert run_compare(trace, cfg, tmp_path)
     runs = {r.meta.run: r for r in read_runs(tmp_path / "results.jsonl")}
-    assert set(runs) == {"sim:round_robin", "http:round_robin"}
-    assert all(r.ok for r in runs["http:round_robin"].results)
+    assert set(runs) == {"sim:round_robin", "http:round_robin", "http:round_robin#2"}
+    assert all(r.ok for r in runs["http:round_robin"].results + runs["http:round_robin#2"].results)
+    assert len(runs["sim:round_robin"].meta.params["transport"]["seed_p50_s"]) == 3
     assert (tmp_path / "report.md").read_text().count("PASS round_robin") == 1
+
+
+def test_offline_side_takes_the_median_draw_of_the_transport() -> None:
+    from loadtest.compare import CompareConfig, offline_median_run
+    from loadtest.summary import summarize
+    from loadtest.tokens import TokenSynth
+    from loadtest.traces import load_trace
+
+    trace = load_trace("/work/shared/traces/mooncake_conversation_first_half.jsonl").window(limit=40)
+    cfg = CompareConfig(workers=2, offline_seeds=5)
+    synth = TokenSynth.for_trace(trace, vocab_size=cfg.vocab_size, seed=cfg.seed)
+    run, p50s = offline_median_run(trace, cfg, "round_robin", synth)
+    assert len(p50s) == 5 and len(set(p50s)) > 1  # the jitter draws differ
+    assert summarize(run).ttft["p50"] == sorted(p50s)[2]
+    assert run.meta.params["transport"]["name"] == "local-http"
+    assert run.meta.params["router"]["transport_seed"] == run.meta.params["transport"]["seed"]
+    pure, one = offline_median_run(trace, CompareConfig(workers=2, transport="none"), "round_robin", synth)
+    assert len(one) == 1  # no jitter: deterministic, one draw
+    with pytest.raises(TraceError, match="unknown transport"):
+        CompareConfig(transport="pigeon")
+    with pytest.raises(TraceError):
+        CompareConfig(http_runs=0)
 
 
 async def test_replay_against_a_simulated_worker() -> None:

@@ -223,3 +223,52 @@ def test_cli_delay_flags(tmp_path: Path) -> None:
     with pytest.raises(SystemExit):
         main(["simulate", "--trace", MOONCAKE, "--limit", "5", "--send-delay", "1,2,3"])
 
+
+
+def test_intake_keeps_a_burst_in_order_and_only_large_bodies_fall_behind() -> None:
+    """The gateway's intake takes one request at a time (issue order, `intake_s` apart);
+    per-token delays count only the tokens beyond `delay_free_tokens`, so a body that
+    fits keeps its place and only a larger one is overtaken."""
+    trace = _two_at_once(30_000, 1_000)
+    one = FleetSpec(workers=1, profile=sized_profile(gpu_tokens=150_000), block_size=64)
+    keep = RouterSettings(intake_s=0.004, route_delay_s_per_token=1e-6, delay_free_tokens=40_000)
+    long_k, short_k = Simulation(trace, "round_robin", _settings(fleet=one, router=keep)).run().results  # type: ignore[arg-type]
+    assert short_k.ttft_s > long_k.ttft_s * 0.9  # 30k tokens are under the free part: still first
+    assert long_k.queue_ms < 1.0
+    lag = replace(keep, delay_free_tokens=20_000)
+    long_l, short_l = Simulation(trace, "round_robin", _settings(fleet=one, router=lag)).run().results  # type: ignore[arg-type]
+    assert short_l.ttft_s < long_l.ttft_s / 5  # 10k tokens over it (10 ms) let the short one pass
+    # alone: intake + the delay of the tokens over the free part, exactly
+    solo = trace.with_requests([trace.requests[0]])
+    a = Simulation(solo, "round_robin", _settings(fleet=one)).run().results[0]  # type: ignore[arg-type]
+    b = Simulation(solo, "round_robin", _settings(fleet=one, router=lag)).run().results[0]  # type: ignore[arg-type]
+    assert b.ttft_s - a.ttft_s == pytest.approx(0.004 + 1e-6 * 10_000, abs=1e-9)
+    # the second of the burst waits for the intake behind the first
+    pair = Simulation(trace, "round_robin", _settings(fleet=one, router=replace(keep, intake_s=0.5))).run()  # type: ignore[arg-type]
+    assert pair.results[1].ttft_s >= 1.0
+
+
+def test_route_jitter_is_bounded_and_seeded() -> None:
+    trace = _two_at_once(1_000, 1_000)
+    one = FleetSpec(workers=1, profile=sized_profile(gpu_tokens=150_000), block_size=64)
+    base = Simulation(trace.with_requests([trace.requests[0]]), "round_robin", _settings(fleet=one)).run()  # type: ignore[arg-type]
+    t0 = base.results[0].ttft_s
+
+    def ttft(seed: int) -> float:
+        rs = RouterSettings(route_jitter_s=0.05, transport_seed=seed)
+        solo = trace.with_requests([trace.requests[0]])
+        return Simulation(solo, "round_robin", _settings(fleet=one, router=rs)).run().results[0].ttft_s  # type: ignore[arg-type]
+
+    draws = [ttft(s) - t0 for s in range(6)]
+    assert all(0.0 <= d < 0.05 for d in draws)
+    assert len({round(d, 9) for d in draws}) > 1  # seeds differ
+    assert ttft(3) == ttft(3)  # and each is reproducible
+
+
+def test_transport_presets_and_cli() -> None:
+    rs = RouterSettings().with_transport("local-http", 7)
+    assert rs.transport_seed == 7 and rs.intake_s > 0 and rs.send_delay_s > 0 and rs.delay_free_tokens > 0
+    assert RouterSettings().with_transport("none") == RouterSettings()
+    with pytest.raises(ValueError, match="unknown transport"):
+        RouterSettings().with_transport("carrier-pigeon")
+    assert main(["simulate", "--trace", MOONCAKE, "--limit", "5", "--transport", "carrier-pigeon"]) == 2
