@@ -195,6 +195,29 @@ def offline_median_run(trace: Trace, cfg: CompareConfig, policy: str, synth: Tok
     return run, p50s
 
 
+def http_run(trace: Trace, cfg: CompareConfig, policy: str, synth: TokenSynth, out: Path,
+             writer: ResultsWriter, label: str | None = None) -> None:
+    label = label or f"http:{policy}"
+    log = out / f"{label.replace(':', '-').replace('#', '-')}.log"
+    cluster, urls = _start_cluster(cfg, log)
+    gw: subprocess.Popen[str] | None = None
+    try:
+        if len(urls) != cfg.workers:
+            raise TraceError(f"sim-cluster announced {len(urls)} workers, expected {cfg.workers}")
+        port = _free_port()
+        conf = out / f"gateway-{policy}.yaml"
+        conf.write_text(yaml.safe_dump(_gateway_config(cfg, policy, urls, port)))
+        gw = _start_gateway(cfg, conf, port, log, len(urls))
+        rc = ReplayConfig(url=f"http://127.0.0.1:{port}", model=_profile_model(cfg.profile), speed=cfg.speed,
+                          concurrency=1024, progress=False)
+        run_replay(trace, synth, rc, label=label, writer=writer,
+                   meta_extra={"policy": policy, "workers": cfg.workers, "profile": cfg.profile})
+    finally:
+        if gw is not None:
+            _stop(gw)
+        _stop(cluster)
+
+
 def _per_request_diff(runs: list[Run], pol: str) -> tuple[float, float, float]:
     """Percentiles of (HTTP TTFT − offline TTFT) over the requests both answered: the
     transport/host overhead the simulator leaves out, request by request."""

@@ -16,8 +16,10 @@ The HTTP path is optional (`RouterSettings`: intake, route delay and jitter, sen
 delay; all zero by default): an arrival passes the gateway's one-at-a-time intake, is
 routed its route delay (and jitter) later, and reaches its worker its send delay after
 the decision (the router counts it in flight from the decision on; a load report counts
-it from its submission). A refusal's retry pays the send delay again. Latencies are measured from arrival (the moment the client issues it): TTFT =
-first token − arrival, TPOT = (last − first) / (n − 1), E2E = last − arrival.
+it from its submission). A refusal's retry pays the send delay again.
+
+Latencies are measured from arrival (the moment the client issues it): TTFT = first
+token − arrival, TPOT = (last − first) / (n − 1), E2E = last − arrival.
 `prefetch_hidden_s` of a request = the load time of the KV a prefetch had already
 raised when it was scheduled (`usage.kv.prefetched_tokens`), priced at the link
 bandwidth of the tiers the planner's estimate planned to prefetch from.
