@@ -318,7 +318,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
         python=args.python, transport=args.offline_transport, offline_seeds=args.offline_seeds,
         http_runs=args.http_runs,
     )
-    ok = run_compare(trace, cfg, _out_dir(args.out, "compare"))
+    ok = run_compare(trace, cfg, _out_dir(args.out, "compare"),
+                     http_from=Path(args.http_from) if args.http_from else None)
     return 0 if ok else 1
 
 
@@ -389,6 +390,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the offline side's model of the HTTP path: local-http (measured on this stack) | none")
     p.add_argument("--offline-seeds", type=int, default=9, help="draws of the transport jitter (median p50)")
     p.add_argument("--http-runs", type=int, default=1, help="HTTP replays per policy (median p50)")
+    p.add_argument("--http-from", default=None, metavar="RESULTS_JSONL",
+                   help="reuse the HTTP runs of an earlier compare instead of replaying (re-check the offline side)")
     p.add_argument("--out", default=None)
     p.set_defaults(fn=cmd_compare)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import signal
+import statistics
 import socket
 import subprocess
 import sys
@@ -61,6 +62,7 @@ class CompareConfig:
     transport: str = "local-http"
     offline_seeds: int = 9
     http_runs: int = 1
+    arrival_log: str | None = None  # the sim cluster's --arrival-log (bench/transport_probe.py)
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -96,6 +98,8 @@ def _start_cluster(cfg: CompareConfig, log: Path) -> tuple[subprocess.Popen[str]
            "--base-port", str(cfg.base_port), "--host", "127.0.0.1", "--remote-groups", str(cfg.remote_groups)]
     if cfg.block_size:
         cmd += ["--block-size", str(cfg.block_size)]
+    if cfg.arrival_log:
+        cmd += ["--arrival-log", cfg.arrival_log]
     proc = subprocess.Popen(cmd, cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     urls: list[str] = []
@@ -244,16 +248,22 @@ def _http_label(pol: str, k: int) -> str:
     return f"http:{pol}" if k == 0 else f"http:{pol}#{k + 1}"
 
 
-def run_compare(trace: Trace, cfg: CompareConfig, out: Path) -> bool:
+def run_compare(trace: Trace, cfg: CompareConfig, out: Path, http_from: Path | None = None) -> bool:
     """Both sides per policy; prints the table and a PASS/FAIL line per policy.
 
     The offline p50 is the median over `offline_seeds` draws of the transport model's
     jitter and the HTTP p50 the median over `http_runs` replays: on a bursty trace one
     draw of the order inside a burst moves a 300-request p50 by 15-25% on both sides
-    (loadtest/README.md), so single draws would compare noise."""
+    (loadtest/README.md), so single draws would compare noise.
+
+    `http_from`: a results.jsonl of an earlier compare; its HTTP runs are reused, not
+    re-run (to re-check a changed offline model against the same measurements)."""
     out.mkdir(parents=True, exist_ok=True)
     synth = TokenSynth.for_trace(trace, vocab_size=cfg.vocab_size, seed=cfg.seed)
     res = out / "results.jsonl"
+    if http_from is not None and http_from.resolve() == res.resolve():
+        raise TraceError("--http-from must not be the output's own results.jsonl")
+    earlier = {r.meta.run: r for r in read_runs(http_from)} if http_from is not None else {}
     offline_p50s: dict[str, list[float]] = {}
     with ResultsWriter(res) as w:
         for pol in cfg.policies:
@@ -264,7 +274,13 @@ def run_compare(trace: Trace, cfg: CompareConfig, out: Path) -> bool:
                   f"{summarize(run).ttft['p50'] * 1000:.1f} ms, range {min(p50s) * 1000:.1f}-"
                   f"{max(p50s) * 1000:.1f} ms", flush=True)
             for k in range(cfg.http_runs):
-                http_run(trace, cfg, pol, synth, out, w, label=_http_label(pol, k))
+                label = _http_label(pol, k)
+                if http_from is None:
+                    http_run(trace, cfg, pol, synth, out, w, label=label)
+                elif label in earlier:
+                    w.write_run(earlier[label].meta, earlier[label].results)
+                else:
+                    raise TraceError(f"{http_from} has no run {label!r}")
                 w.flush()
     runs = read_runs(res)
     sums = {r.meta.run: summarize(r) for r in runs}
@@ -280,8 +296,8 @@ def run_compare(trace: Trace, cfg: CompareConfig, out: Path) -> bool:
             lines.append(f"FAIL {pol}: an HTTP run has failures ({errs})")
             ok_all = False
             continue
-        http_p50s = sorted(b.ttft["p50"] for b in bs if b is not None)
-        h50 = http_p50s[(len(http_p50s) - 1) // 2]
+        http_p50s = [b.ttft["p50"] for b in bs if b is not None]
+        h50 = statistics.median(http_p50s)
         o50 = a.ttft["p50"]
         rel = abs(h50 - o50) / o50
         ok = rel <= cfg.tolerance

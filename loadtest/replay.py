@@ -281,7 +281,7 @@ class Replayer:
             t0 = time.monotonic()
             wall0 = time.time()
             if self.writer is not None:
-                self.writer.write(self._meta(model, 0.0, 0.0, len(reqs)))
+                self.writer.write(self._meta(model, 0.0, 0.0, len(reqs), t0=t0))
             tasks: list[asyncio.Task[RequestResult]] = []
             stop_progress = asyncio.Event()
             bar = asyncio.create_task(self._progress_loop(len(reqs), stop_progress)) if cfg.progress else None
@@ -311,11 +311,12 @@ class Replayer:
             duration = time.monotonic() - t0
         results.sort(key=lambda r: r.index)
         if self.writer is not None:
-            self.writer.write(self._meta(model, duration, time.time() - wall0, len(reqs), final=True))
+            self.writer.write(self._meta(model, duration, time.time() - wall0, len(reqs), final=True, t0=t0))
             self.writer.flush()
         return results
 
-    def _meta(self, model: str, duration: float, wall: float, n: int, final: bool = False) -> RunMeta:
+    def _meta(self, model: str, duration: float, wall: float, n: int, final: bool = False,
+              t0: float = 0.0) -> RunMeta:
         return RunMeta(
             run=self.label,
             mode="replay",
@@ -329,7 +330,10 @@ class Replayer:
             duration_s=duration,
             wall_s=wall,
             params={"endpoint": self.cfg.endpoint, "model": model, "concurrency": self.cfg.concurrency,
-                    "requests": n, "final": final},
+                    "requests": n, "final": final,
+                    # start_s + this = time.monotonic() at the send: comparable with logs of
+                    # other processes on the same host (sim-cluster --arrival-log)
+                    "t0_monotonic_s": t0},
         )
 
     async def _progress_loop(self, total: int, stop: asyncio.Event) -> None:

@@ -289,3 +289,31 @@ def test_cli_replay_writes_results_and_report(tmp_path: Path) -> None:
         loop.call_soon_threadsafe(loop.stop)
         t.join(10)
         loop.close()
+
+
+def test_compare_can_recheck_the_offline_side_against_earlier_http_runs(tmp_path: Path) -> None:
+    """`--http-from`: the HTTP runs of an earlier compare are reused as they are. Fed an
+    "HTTP" run that is the offline run itself, the comparison must come out exact."""
+    from msgspec.structs import replace as sreplace
+
+    from loadtest.compare import CompareConfig, offline_run, run_compare
+    from loadtest.results import ResultsWriter, read_runs
+    from loadtest.tokens import TokenSynth
+    from loadtest.traces import load_trace
+
+    trace = load_trace("/work/shared/traces/mooncake_conversation_first_half.jsonl").window(limit=20)
+    cfg = CompareConfig(policies=["round_robin"], workers=2, transport="none")
+    synth = TokenSynth.for_trace(trace, vocab_size=cfg.vocab_size, seed=cfg.seed)
+    run = offline_run(trace, cfg, "round_robin", synth)
+    earlier = tmp_path / "earlier.jsonl"
+    with ResultsWriter(earlier) as w:
+        w.write_run(sreplace(run.meta, run="http:round_robin", mode="replay"),
+                    [sreplace(r, run="http:round_robin") for r in run.results])
+    out = tmp_path / "again"
+    assert run_compare(trace, cfg, out, http_from=earlier)
+    assert "difference 0.0%" in (out / "report.md").read_text()
+    assert {r.meta.run for r in read_runs(out / "results.jsonl")} == {"sim:round_robin", "http:round_robin"}
+    with pytest.raises(TraceError, match="no run 'http:kv_cost'"):
+        run_compare(trace, CompareConfig(policies=["kv_cost"], workers=2, transport="none"), out, http_from=earlier)
+    with pytest.raises(TraceError, match="must not be"):
+        run_compare(trace, cfg, out, http_from=out / "results.jsonl")

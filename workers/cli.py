@@ -36,6 +36,9 @@ def _parser() -> argparse.ArgumentParser:
     sc.add_argument("--block-size", type=int, default=None, help="override the profile's KV block size")
     sc.add_argument("--peer-token", default=None, help="bearer token for /kv/blocks (default $KVROUTE_PEER_TOKEN)")
     sc.add_argument("--id-prefix", default="w", help="worker ids are PREFIX0..PREFIX{N-1}")
+    sc.add_argument("--arrival-log", default=None, metavar="FILE",
+                    help="append `monotonic_s worker request_id prompt_tokens` per accepted request "
+                         "(to measure the HTTP path: bench/transport_probe.py)")
     sc.add_argument("--log-level", default="warning")
     return ap
 
@@ -72,6 +75,7 @@ async def _sim_cluster(args: argparse.Namespace) -> int:
             block_size=args.block_size,
             peer_token=args.peer_token or os.environ.get("KVROUTE_PEER_TOKEN") or None,
             id_prefix=args.id_prefix,
+            arrival_log=args.arrival_log,
         )
     except (ProfileError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

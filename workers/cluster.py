@@ -15,6 +15,7 @@ import logging
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TextIO
 
 import uvicorn
 import zmq.asyncio
@@ -98,6 +99,7 @@ class SimCluster:
         peer_token: str | None = None,
         id_prefix: str = "w",
         topic: str = "kv",
+        arrival_log: str | None = None,
     ) -> None:
         if workers < 1:
             raise ValueError("--workers must be at least 1")
@@ -115,6 +117,8 @@ class SimCluster:
         self.peer_token = peer_token
         self.id_prefix = id_prefix
         self.topic = topic
+        self.arrival_log = arrival_log
+        self._arrivals: TextIO | None = None
         self.workers: list[WorkerHandle] = []
         self.stores: list[RemoteStore] = []
         self._ctx: zmq.asyncio.Context | None = None
@@ -126,6 +130,8 @@ class SimCluster:
             cap = p.tier_blocks(p.remote)
             self.stores = [RemoteStore(f"rg{g}", cap, p.block_size) for g in range(self.remote_groups)]
         peers: dict[str, SimEngine] = {}
+        if self.arrival_log:
+            self._arrivals = open(self.arrival_log, "a", buffering=1)  # noqa: SIM115 (closed in stop)
         try:
             for i in range(self.n):
                 wid = f"{self.id_prefix}{i}"
@@ -141,6 +147,7 @@ class SimCluster:
                 engine = SimEngine(wid, p, remote=store, on_events=pub.publish, max_waiting=self.max_waiting)
                 driver = SimDriver(engine, peers=peers, peer_token=self.peer_token)
                 driver.publisher_stats = pub
+                driver.on_arrival = self._log_arrival if self.arrival_log else None
                 await driver.start()
                 sock = _bind(self.host, self.base_port + i if self.base_port else 0)
                 port = sock.getsockname()[1]
@@ -197,3 +204,11 @@ class SimCluster:
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
+        if self._arrivals is not None:
+            self._arrivals.close()
+            self._arrivals = None
+
+    def _log_arrival(self, worker_id: str, request_id: str, t: float, prompt_tokens: int) -> None:
+        """One line per accepted request: `monotonic_s worker_id request_id prompt_tokens`."""
+        if self._arrivals is not None:
+            self._arrivals.write(f"{t:.6f} {worker_id} {request_id} {prompt_tokens}\n")

@@ -22,7 +22,7 @@ import base64
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import aiohttp
@@ -185,6 +185,9 @@ class SimDriver:
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf
         self.publisher_stats: Any = None  # set by the cluster: the publisher, for counters
+        # (worker id, request id, time.monotonic(), prompt tokens) of each accepted request:
+        # the cluster's --arrival-log, to measure what the HTTP path does to arrival order
+        self.on_arrival: Callable[[str, str, float, int], None] | None = None
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -274,6 +277,8 @@ class SimDriver:
             on_error=stream.on_error,
         )
         self.engine.submit(sreq, self.now())
+        if self.on_arrival is not None:
+            self.on_arrival(self.worker_id, req.request_id, time.monotonic(), len(req.prompt_ids))
         self.schedule()
         return stream
 
