@@ -14,8 +14,9 @@ clock), and the client's TTFT against the worker's own. Printed:
            (FREE: the candidate whose model orders bursts most like the measurement)
   order    share of same-burst pairs that reached the workers out of issue order,
            measured and as the fitted model predicts (issue order alone: 0)
-  fixed    client TTFT − worker TTFT, minus what the model's intake and lag explain
-           (the send delay)
+  jitter   the uniform jitter that brings the model's share to the measured one
+  fixed    client TTFT − worker TTFT, minus what the model's intake, lag and mean
+           jitter explain (the send delay)
 
 and the `local-http` entry in use beside them. The route/send split of the lag is
 not measured here: routing order (round-robin's assignments) showed most of it on
@@ -25,6 +26,7 @@ the gateway → worker leg, and the entry keeps ~5% on the route leg.
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import sys
 from collections import defaultdict
@@ -40,6 +42,7 @@ from loadtest.tokens import TokenSynth  # noqa: E402
 from loadtest.traces import load_trace  # noqa: E402
 
 FREE_CANDIDATES = (8_000, 16_000, 24_000, 32_000, 48_000)
+JITTER_CANDIDATES = (0.0, 0.001, 0.002, 0.003, 0.005, 0.008, 0.012, 0.02)
 
 
 @dataclass(slots=True)
@@ -106,13 +109,15 @@ def lag_per_token(bs: list[list[Req]], free: int, intake: float) -> float:
     return statistics.median(ratios) if ratios else 0.0
 
 
-def model_times(reqs: list[Req], intake: float, free: int, per_token: float) -> dict[int, float]:
-    """When the model (no jitter) has each request reach its worker, relative to issue."""
+def model_times(reqs: list[Req], intake: float, free: int, per_token: float, jitter: float = 0.0,
+                seed: int = 0) -> dict[int, float]:
+    """When the model has each request reach its worker (the simulator's order of draws)."""
+    rng = random.Random(seed)
     t_free = float("-inf")
     out = {}
     for r in sorted(reqs, key=lambda r: (r.issue, r.index)):
         t_free = max(r.issue, t_free) + intake
-        out[r.index] = t_free + per_token * max(0, r.prompt - free)
+        out[r.index] = t_free + per_token * max(0, r.prompt - free) + (rng.random() * jitter if jitter else 0.0)
     return out
 
 
@@ -149,10 +154,14 @@ def analyse(reqs: list[Req]) -> dict[str, float]:
     assert best is not None
     a, free, intake, per_token = best
     when = model_times(reqs, intake, free, per_token)
-    explained = [(when[r.index] - r.issue) * 1000.0 for r in reqs]
+    target = out_of_order(bs, measured)
+    # the jitter that puts as many same-burst pairs out of order as measured (mean of 5 draws)
+    jitter = min(JITTER_CANDIDATES, key=lambda j: abs(statistics.fmean(
+        out_of_order(bs, model_times(reqs, intake, free, per_token, j, seed)) for seed in range(5)) - target))
+    explained = [(when[r.index] - r.issue + jitter / 2) * 1000.0 for r in reqs]
     fixed = statistics.median(r.overhead_ms - e for r, e in zip(reqs, explained))
     return {"requests": len(reqs), "bursts": len(bs), "delay_free_tokens": free, "intake_ms": intake * 1000,
-            "lag_us_per_token": per_token * 1e6, "out_of_order_measured": out_of_order(bs, measured),
+            "lag_us_per_token": per_token * 1e6, "jitter_ms": jitter * 1000, "out_of_order_measured": target,
             "out_of_order_model": out_of_order(bs, when), "order_agreement": a,
             "client_minus_worker_ttft_p50_ms": statistics.median(r.overhead_ms for r in reqs),
             "fixed_ms": fixed}
@@ -186,7 +195,9 @@ def main() -> int:
     lag = (float(cur["route_delay_s_per_token"]) + float(cur["send_delay_s_per_token"])) * 1e6
     print(f"lag        {m['lag_us_per_token']:.2f} us per token over  (local-http: {lag:.2f} us, route + send)")
     print(f"order      {m['out_of_order_measured']:.1%} of same-burst pairs out of issue order; the model "
-          f"{m['out_of_order_model']:.1%} (agrees on {m['order_agreement']:.1%} of pairs)")
+          f"{m['out_of_order_model']:.1%} without jitter (agrees on {m['order_agreement']:.1%} of pairs)")
+    print(f"jitter     {m['jitter_ms']:.0f} ms puts as many out of order   (local-http: "
+          f"{float(cur['route_jitter_s']) * 1000:.0f} ms)")
     print(f"fixed      {m['fixed_ms']:.1f} ms (client − worker TTFT p50 {m['client_minus_worker_ttft_p50_ms']:.1f} ms)"
           f"   (local-http: send {float(cur['send_delay_s']) * 1000:.1f} ms)")
     return 0

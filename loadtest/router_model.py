@@ -114,20 +114,21 @@ class RouterSettings:
         return {k: getattr(self, k) for k in self.__slots__}  # type: ignore[attr-defined]
 
 
-# Transport models for `RouterSettings.with_transport`. "local-http" was measured on this
-# project's own stack (replay client → gateway → sim-cluster on one 2-core host, 300
-# Mooncake requests, 4 workers): worker arrival times logged by the engine against the
-# trace's issue times. Requests of one burst reached the workers ~1 ms apart in issue
-# order (intake), except bodies above ~24k tokens, which fell behind by ~1 us per token
-# beyond that (and were overtaken in 9% of same-burst pairs); the rest scattered by a
-# few ms (rms 12 ms around the fit, of which the jitter models the part that reorders),
-# and client TTFT exceeded the worker's own by ~20 ms at the median (send delay).
+# Transport models for `RouterSettings.with_transport`. "local-http" is what
+# bench/transport_probe.py measured on this project's own stack (replay client → gateway
+# → sim-cluster, one 2-core host, 300 Mooncake requests, 4 workers; the mean of a
+# round_robin and a least_loaded probe): the requests of one burst reach the workers
+# ~3.3 ms apart in issue order; bodies over 24k tokens fall behind by ~0.6 us per token
+# beyond that, nearly all of it on the gateway → worker leg (round_robin's assignments
+# show the gateway routes them only a few places late); a uniform 0-12 ms jitter puts as
+# many same-burst pairs out of order as measured (9% and 14%); ~12.5 ms fixed remains of
+# the client's TTFT over the worker's own (39 ms at the median).
 TRANSPORTS: dict[str, dict[str, float | int]] = {
     "none": dict(intake_s=0.0, route_delay_s=0.0, route_delay_s_per_token=0.0, delay_free_tokens=0,
                  route_jitter_s=0.0, send_delay_s=0.0, send_delay_s_per_token=0.0),
-    "local-http": dict(intake_s=0.001, route_delay_s=0.0, route_delay_s_per_token=5e-8,
-                       delay_free_tokens=24_000, route_jitter_s=0.002, send_delay_s=0.02,
-                       send_delay_s_per_token=1e-6),
+    "local-http": dict(intake_s=0.0033, route_delay_s=0.0, route_delay_s_per_token=3e-8,
+                       delay_free_tokens=24_000, route_jitter_s=0.012, send_delay_s=0.0125,
+                       send_delay_s_per_token=5.7e-7),
 }
 
 
