@@ -15,8 +15,10 @@ clock), and the client's TTFT against the worker's own. Printed:
   order    share of same-burst pairs that reached the workers out of issue order,
            measured and as the fitted model predicts (issue order alone: 0)
   jitter   the uniform jitter that brings the model's share to the measured one
+  burst    how unevenly late whole bursts start (p90 − p10 of their start over 0.8:
+           the width of a uniform draw shared by a burst)
   fixed    client TTFT − worker TTFT, minus what the model's intake, lag and mean
-           jitter explain (the send delay)
+           jitters explain (the send delay)
 
 and the `local-http` entry in use beside them. The route/send split of the lag is
 not measured here: routing order (round-robin's assignments) showed most of it on
@@ -88,25 +90,40 @@ def bursts(reqs: list[Req]) -> list[list[Req]]:
     return [sorted(b, key=lambda r: r.index) for b in by.values() if len(b) > 1]
 
 
+def _burst_line(b: list[Req], free: int, slope: float) -> float | None:
+    """The burst's intercept: where its small bodies sit once `slope` per rank is taken out."""
+    small = [(rank, r) for rank, r in enumerate(b) if r.prompt <= free]
+    if not small:
+        return None
+    return statistics.fmean(r.accepted - slope * rank for rank, r in small)
+
+
 def intake_spacing(bs: list[list[Req]], free: int) -> float:
-    gaps = []
+    """Seconds per place in issue order: the pooled slope of small bodies' acceptance
+    times over their rank in the burst (every request, small or large, takes a place)."""
+    num = den = 0.0
     for b in bs:
-        small = sorted((r for r in b if r.prompt <= free), key=lambda r: r.accepted)
-        gaps += [y.accepted - x.accepted for x, y in zip(small, small[1:])]
-    return statistics.fmean(gaps) if gaps else 0.0
+        small = [(rank, r.accepted) for rank, r in enumerate(b) if r.prompt <= free]
+        if len(small) < 2:
+            continue
+        mr = statistics.fmean(x for x, _ in small)
+        mt = statistics.fmean(t for _, t in small)
+        num += sum((x - mr) * (t - mt) for x, t in small)
+        den += sum((x - mr) ** 2 for x, _ in small)
+    return max(num / den, 0.0) if den else 0.0
 
 
 def lag_per_token(bs: list[list[Req]], free: int, intake: float) -> float:
+    """Median of (how late a large body is against its burst's line) / (tokens over free)."""
     ratios = []
     for b in bs:
-        small = [r for r in b if r.prompt <= free]
-        if not small:
+        base = _burst_line(b, free, intake)
+        if base is None:
             continue
-        base = min(r.accepted for r in small)
         for rank, r in enumerate(b):
             if r.prompt > free:
                 ratios.append((r.accepted - (base + intake * rank)) / (r.prompt - free))
-    return statistics.median(ratios) if ratios else 0.0
+    return max(statistics.median(ratios), 0.0) if ratios else 0.0
 
 
 def model_times(reqs: list[Req], intake: float, free: int, per_token: float, jitter: float = 0.0,
@@ -158,10 +175,15 @@ def analyse(reqs: list[Req]) -> dict[str, float]:
     # the jitter that puts as many same-burst pairs out of order as measured (mean of 5 draws)
     jitter = min(JITTER_CANDIDATES, key=lambda j: abs(statistics.fmean(
         out_of_order(bs, model_times(reqs, intake, free, per_token, j, seed)) for seed in range(5)) - target))
-    explained = [(when[r.index] - r.issue + jitter / 2) * 1000.0 for r in reqs]
+    # how late each burst starts, relative to the others: a uniform [0, B) has p90 - p10 = 0.8 B
+    starts = [x - b[0].issue for b in bs if (x := _burst_line(b, free, intake)) is not None]
+    deciles = statistics.quantiles(starts, n=10) if len(starts) >= 2 else [0.0] * 9
+    burst = max(deciles[8] - deciles[0], 0.0) / 0.8
+    explained = [(when[r.index] - r.issue + jitter / 2 + burst / 2) * 1000.0 for r in reqs]
     fixed = statistics.median(r.overhead_ms - e for r, e in zip(reqs, explained))
     return {"requests": len(reqs), "bursts": len(bs), "delay_free_tokens": free, "intake_ms": intake * 1000,
-            "lag_us_per_token": per_token * 1e6, "jitter_ms": jitter * 1000, "out_of_order_measured": target,
+            "lag_us_per_token": per_token * 1e6, "jitter_ms": jitter * 1000, "burst_jitter_ms": burst * 1000,
+            "out_of_order_measured": target,
             "out_of_order_model": out_of_order(bs, when), "order_agreement": a,
             "client_minus_worker_ttft_p50_ms": statistics.median(r.overhead_ms for r in reqs),
             "fixed_ms": fixed}
@@ -198,6 +220,8 @@ def main() -> int:
           f"{m['out_of_order_model']:.1%} without jitter (agrees on {m['order_agreement']:.1%} of pairs)")
     print(f"jitter     {m['jitter_ms']:.0f} ms puts as many out of order   (local-http: "
           f"{float(cur['route_jitter_s']) * 1000:.0f} ms)")
+    print(f"burst      {m['burst_jitter_ms']:.0f} ms: bursts start that unevenly late   (local-http: "
+          f"{float(cur['burst_jitter_s']) * 1000:.0f} ms)")
     print(f"fixed      {m['fixed_ms']:.1f} ms (client − worker TTFT p50 {m['client_minus_worker_ttft_p50_ms']:.1f} ms)"
           f"   (local-http: send {float(cur['send_delay_s']) * 1000:.1f} ms)")
     return 0

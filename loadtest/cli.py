@@ -415,7 +415,7 @@ def _add_fleet_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefetch", action="store_true")
     g.add_argument("--transport", default="none",
                    help="model of the HTTP path: none (the pure model) | local-http (measured on this project's "
-                        "stack: intake, large-body lag, jitter, 20 ms fixed)")
+                        "stack: intake, large-body lag, jitters, fixed delay)")
     g.add_argument("--transport-seed", type=int, default=0, help="seed of the transport's jitter")
     g.add_argument("--route-delay", type=_delay, default=None, metavar="S[,S_PER_TOKEN]",
                    help="client → gateway delay before routing, seconds [+ seconds per prompt token]")

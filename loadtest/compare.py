@@ -9,10 +9,11 @@ one does) and the gateway (`python -m router.cli serve` with a generated config
 naming those workers and the policy). Routing decisions are the gateway's own — the
 replay only sends the trace (token ids, open loop) to its OpenAI endpoint.
 
-Both sides measure TTFT from the moment a request is issued; the HTTP side adds the
-real costs the simulator leaves out (HTTP, JSON, the gateway's hot path, event and
-report delivery over ZMQ/HTTP), which is exactly what the comparison is meant to
-bound. A loaded machine inflates the HTTP side: run it on an otherwise idle host.
+Both sides measure TTFT from the moment a request is issued. The offline side models
+the HTTP path with `RouterSettings`' transport (`--offline-transport local-http`:
+intake, large-body lag, jitter, fixed cost, as bench/transport_probe.py measured them
+on this host); `none` is the pure model. A loaded machine inflates the HTTP side: run
+it on an otherwise idle host.
 """
 from __future__ import annotations
 
@@ -190,7 +191,8 @@ def offline_median_run(trace: Trace, cfg: CompareConfig, policy: str, synth: Tok
     """`offline_seeds` draws of the transport's jitter; returns the draw with the median
     p50 TTFT (the lower middle for an even count) and every draw's p50, in seed order.
     A transport without jitter is deterministic: one draw."""
-    k = cfg.offline_seeds if TRANSPORTS[cfg.transport]["route_jitter_s"] else 1
+    tr = TRANSPORTS[cfg.transport]
+    k = cfg.offline_seeds if tr["route_jitter_s"] or tr["burst_jitter_s"] else 1
     runs = [offline_run(trace, cfg, policy, synth, seed) for seed in range(k)]
     p50s = [summarize(r).ttft["p50"] for r in runs]
     mid = sorted(range(k), key=lambda i: (p50s[i], i))[(k - 1) // 2]

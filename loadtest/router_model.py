@@ -78,8 +78,10 @@ class RouterSettings:
     # model). An issued request first passes the gateway's intake, one request at a
     # time for `intake_s` each (one event loop: a burst leaves it in issue order, spread
     # out); it is routed `route_delay(prompt)` after that, plus a uniform random
-    # `[0, route_jitter_s)` drawn from `transport_seed`; it reaches its worker
-    # `send_delay(prompt)` after the decision. A per-token delay counts only the tokens
+    # `[0, route_jitter_s)` of its own and one `[0, burst_jitter_s)` shared by everything
+    # issued at the same instant (how late the client and gateway get to a burst), both
+    # drawn from `transport_seed`; it reaches its worker `send_delay(prompt)` after the
+    # decision. A per-token delay counts only the tokens
     # beyond `delay_free_tokens`: a body that fits one read of the event loop
     # keeps its place, a larger one needs several turns and is overtaken by the short
     # requests issued with it. That matters: with FCFS chunked prefill a short prompt
@@ -92,6 +94,7 @@ class RouterSettings:
     route_delay_s_per_token: float = 0.0
     delay_free_tokens: int = 0
     route_jitter_s: float = 0.0
+    burst_jitter_s: float = 0.0
     send_delay_s: float = 0.0
     send_delay_s_per_token: float = 0.0
     transport_seed: int = 0
@@ -118,17 +121,18 @@ class RouterSettings:
 # bench/transport_probe.py measured on this project's own stack (replay client → gateway
 # → sim-cluster, one 2-core host, 300 Mooncake requests, 4 workers; the mean of a
 # round_robin and a least_loaded probe): the requests of one burst reach the workers
-# ~3.3 ms apart in issue order; bodies over 24k tokens fall behind by ~0.6 us per token
+# ~2.3 ms apart in issue order; bodies over 24k tokens fall behind by ~0.7 us per token
 # beyond that, nearly all of it on the gateway → worker leg (round_robin's assignments
-# show the gateway routes them only a few places late); a uniform 0-12 ms jitter puts as
-# many same-burst pairs out of order as measured (9% and 14%); ~12.5 ms fixed remains of
-# the client's TTFT over the worker's own (39 ms at the median).
+# show the gateway routes them only a few places late); a uniform 0-6.5 ms jitter puts
+# as many same-burst pairs out of order as measured (5 and 8 ms fit 9% and 14%); whole
+# bursts start unevenly late (22 and 35 ms wide); ~7 ms fixed remains of the client's
+# TTFT over the worker's own (39 ms at the median).
 TRANSPORTS: dict[str, dict[str, float | int]] = {
     "none": dict(intake_s=0.0, route_delay_s=0.0, route_delay_s_per_token=0.0, delay_free_tokens=0,
-                 route_jitter_s=0.0, send_delay_s=0.0, send_delay_s_per_token=0.0),
-    "local-http": dict(intake_s=0.0033, route_delay_s=0.0, route_delay_s_per_token=3e-8,
-                       delay_free_tokens=24_000, route_jitter_s=0.012, send_delay_s=0.0125,
-                       send_delay_s_per_token=5.7e-7),
+                 route_jitter_s=0.0, burst_jitter_s=0.0, send_delay_s=0.0, send_delay_s_per_token=0.0),
+    "local-http": dict(intake_s=0.0023, route_delay_s=0.0, route_delay_s_per_token=3.5e-8,
+                       delay_free_tokens=24_000, route_jitter_s=0.0065, burst_jitter_s=0.028,
+                       send_delay_s=0.0072, send_delay_s_per_token=6.65e-7),
 }
 
 

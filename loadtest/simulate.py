@@ -159,6 +159,8 @@ class Simulation:
         self._draining: set[str] = set()
         self._intake_free = -math.inf  # when the gateway's intake takes the next request
         self._jitter = random.Random(settings.router.transport_seed)
+        self._burst_at = -math.inf  # the issue time whose burst delay `_burst_delay` is
+        self._burst_delay = 0.0
 
     # ------------------------------------------------------------------ plumbing
 
@@ -247,6 +249,11 @@ class Simulation:
             t = max(t, self._intake_free) + r.intake_s
             self._intake_free = t
         t += r.route_delay(prompt_tokens)
+        if r.burst_jitter_s > 0.0:
+            if now != self._burst_at:  # the first request issued at this instant draws its burst's
+                self._burst_at = now
+                self._burst_delay = self._jitter.random() * r.burst_jitter_s
+            t += self._burst_delay
         if r.route_jitter_s > 0.0:
             t += self._jitter.random() * r.route_jitter_s
         return t

@@ -272,3 +272,18 @@ def test_transport_presets_and_cli() -> None:
     with pytest.raises(ValueError, match="unknown transport"):
         RouterSettings().with_transport("carrier-pigeon")
     assert main(["simulate", "--trace", MOONCAKE, "--limit", "5", "--transport", "carrier-pigeon"]) == 2
+
+
+def test_burst_jitter_is_shared_by_requests_issued_together() -> None:
+    """Everything issued at one instant is late by the same draw; the next burst draws anew."""
+    pair = _two_at_once(1_000, 1_000)
+    later = replace(pair.requests[1], index=2, arrival_s=5.0)  # type: ignore[attr-defined]
+    trace = pair.with_requests([*pair.requests, later])
+    three = FleetSpec(workers=3, profile=sized_profile(gpu_tokens=150_000), block_size=64)
+    pure = Simulation(trace, "round_robin", _settings(fleet=three)).run()  # type: ignore[arg-type]
+    rs = RouterSettings(burst_jitter_s=0.5, transport_seed=3)
+    late = Simulation(trace, "round_robin", _settings(fleet=three, router=rs)).run()  # type: ignore[arg-type]
+    extra = [b.ttft_s - a.ttft_s for a, b in zip(pure.results, late.results)]
+    assert extra[0] == pytest.approx(extra[1], abs=1e-9)  # one draw for the burst at t=0
+    assert 0.0 < extra[0] < 0.5 and 0.0 <= extra[2] < 0.5
+    assert extra[2] != pytest.approx(extra[0], abs=1e-6)  # a new draw at t=5
