@@ -32,6 +32,7 @@ import random
 import statistics
 import sys
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -128,7 +129,8 @@ def lag_per_token(bs: list[list[Req]], free: int, intake: float) -> float:
 
 def model_times(reqs: list[Req], intake: float, free: int, per_token: float, jitter: float = 0.0,
                 seed: int = 0) -> dict[int, float]:
-    """When the model has each request reach its worker (the simulator's order of draws)."""
+    """When the model has each request reach its worker, its burst's shared delay left out
+    (that moves a whole burst and no pair inside it)."""
     rng = random.Random(seed)
     t_free = float("-inf")
     out = {}
@@ -138,24 +140,23 @@ def model_times(reqs: list[Req], intake: float, free: int, per_token: float, jit
     return out
 
 
-def out_of_order(bs: list[list[Req]], when: dict[int, float]) -> float:
-    inv = tot = 0
+def _pairs(bs: list[list[Req]]) -> Iterator[tuple[Req, Req]]:
+    """Every pair of one burst, the earlier-issued first."""
     for b in bs:
         for i, x in enumerate(b):
             for y in b[i + 1:]:
-                tot += 1
-                inv += when[y.index] < when[x.index]
-    return inv / tot if tot else 0.0
+                yield x, y
+
+
+def out_of_order(bs: list[list[Req]], when: dict[int, float]) -> float:
+    pairs = list(_pairs(bs))
+    return sum(when[y.index] < when[x.index] for x, y in pairs) / len(pairs) if pairs else 0.0
 
 
 def agreement(bs: list[list[Req]], when: dict[int, float]) -> float:
-    same = tot = 0
-    for b in bs:
-        for i, x in enumerate(b):
-            for y in b[i + 1:]:
-                tot += 1
-                same += (when[y.index] < when[x.index]) == (y.accepted < x.accepted)
-    return same / tot if tot else 1.0
+    pairs = list(_pairs(bs))
+    same = sum((when[y.index] < when[x.index]) == (y.accepted < x.accepted) for x, y in pairs)
+    return same / len(pairs) if pairs else 1.0
 
 
 def analyse(reqs: list[Req]) -> dict[str, float]:

@@ -100,12 +100,14 @@ class RouterSettings:
     transport_seed: int = 0
 
     def route_delay(self, prompt_tokens: int) -> float:
-        over = prompt_tokens - self.delay_free_tokens
-        return self.route_delay_s + (self.route_delay_s_per_token * over if over > 0 else 0.0)
+        return self._leg(self.route_delay_s, self.route_delay_s_per_token, prompt_tokens)
 
     def send_delay(self, prompt_tokens: int) -> float:
+        return self._leg(self.send_delay_s, self.send_delay_s_per_token, prompt_tokens)
+
+    def _leg(self, fixed: float, per_token: float, prompt_tokens: int) -> float:
         over = prompt_tokens - self.delay_free_tokens
-        return self.send_delay_s + (self.send_delay_s_per_token * over if over > 0 else 0.0)
+        return fixed + (per_token * over if over > 0 else 0.0)
 
     def with_transport(self, name: str, seed: int = 0) -> RouterSettings:
         """These settings with a named transport model (`TRANSPORTS`) and jitter seed."""
