@@ -311,9 +311,9 @@ def run_compare(trace: Trace, cfg: CompareConfig, out: Path, http_from: Path | N
         lines.append(f"{'PASS' if ok else 'FAIL'} {pol}: p50 TTFT offline {o50 * 1000:.1f} ms (median of "
                      f"{len(op)} transport draws, {min(op) * 1000:.0f}-{max(op) * 1000:.0f}), HTTP "
                      f"{h50 * 1000:.1f} ms{runs_txt}, difference {rel:.1%} (bound {cfg.tolerance:.0%}); "
-                     f"per request HTTP - offline: p10 {d10 * 1000:+.0f} / p50 {d50 * 1000:+.0f} / "
+                     f"per request HTTP (first run) - offline: p10 {d10 * 1000:+.0f} / p50 {d50 * 1000:+.0f} / "
                      f"p90 {d90 * 1000:+.0f} ms; worker-side TTFT p50 over HTTP (usage.kv queue+load+prefill, "
-                     f"no gateway/transport) {srv * 1000:.1f} ms")
+                     f"no gateway/transport; first run) {srv * 1000:.1f} ms")
     for ln in lines:
         print(ln)
     write_report(runs, out, title=f"Offline simulator vs HTTP replay: {trace.name}", notes=lines)

@@ -12,11 +12,12 @@ retried once on the next-ranked worker, as the gateway does. Every request ends 
 a result: finished, shed (no worker), refused, failed, or — past `max_drain_s` after
 the last arrival — "unfinished" (never dropped silently).
 
-The HTTP path is optional (`RouterSettings`: intake, route delay and jitter, send
-delay; all zero by default): an arrival passes the gateway's one-at-a-time intake, is
-routed its route delay (and jitter) later, and reaches its worker its send delay after
-the decision (the router counts it in flight from the decision on; a load report counts
-it from its submission). A refusal's retry pays the send delay again.
+The HTTP path is optional (`RouterSettings`: intake, route delay, per-request and
+per-burst jitter, send delay; all zero by default): an arrival passes the gateway's
+one-at-a-time intake, is routed its route delay (and jitters) later, and reaches its
+worker its send delay after the decision (the router counts it in flight from the
+decision on; a load report counts it from its submission). A refusal's retry pays the
+send delay again.
 
 Latencies are measured from arrival (the moment the client issues it): TTFT = first
 token − arrival, TPOT = (last − first) / (n − 1), E2E = last − arrival.
@@ -250,7 +251,7 @@ class Simulation:
             self._intake_free = t
         t += r.route_delay(prompt_tokens)
         if r.burst_jitter_s > 0.0:
-            if now != self._burst_at:  # the first request issued at this instant draws its burst's
+            if now != self._burst_at:  # the first request of a burst draws the delay all of it shares
                 self._burst_at = now
                 self._burst_delay = self._jitter.random() * r.burst_jitter_s
             t += self._burst_delay
