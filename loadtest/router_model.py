@@ -55,13 +55,12 @@ from typing import Any
 from kvindex.events import KVEvent
 from kvindex.index import PrefixIndex, PrefixMatch
 from kvindex.tiers import Tier
+from router.planner.fleet import FleetWorker, PrefetchRule, apply_report, plan_prefetch
 from router.planner.inflight import InflightLedger, Ticket
-from router.planner.types import CostParams, Decision, Estimate, Link, Policy, RouteRequest, WorkerView
+from router.planner.types import CostParams, Decision, Estimate, Policy, RouteRequest, WorkerView
 from workers.sim import SimEngine
 from workers.sim.engine import BadRequest, PrefetchQueueFull
 
-
-_TIER_NAMES = {t.name: t for t in Tier}
 Inflight = Ticket  # one dispatched request (`worker_id`, `t_dispatch`, ...): its ledger's ticket
 
 
@@ -115,6 +114,10 @@ class RouterSettings:
             raise ValueError(f"unknown transport {name!r}; known: {', '.join(sorted(TRANSPORTS))}")
         return replace(self, **TRANSPORTS[name], transport_seed=seed)  # type: ignore[arg-type]
 
+    @property
+    def prefetch_rule(self) -> PrefetchRule:
+        return PrefetchRule(self.prefetch, self.prefetch_min_blocks, self.prefetch_margin_s, self.prefetch_min_deadline_s)
+
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__slots__}  # type: ignore[attr-defined]
 
@@ -141,9 +144,11 @@ TRANSPORTS: dict[str, dict[str, float | int]] = {
 @dataclass(slots=True, eq=False)
 class _Worker:
     engine: SimEngine
-    view: WorkerView
-    ledger: InflightLedger
-    load_t: float | None = None
+    fleet: FleetWorker
+
+    @property
+    def view(self) -> WorkerView:
+        return self.fleet.view
 
 
 @dataclass(slots=True)
@@ -206,17 +211,17 @@ class SimRouter:
             block_bytes=engine.block_bytes * self.block_size // engine.bs,
             prefill_tokens_per_s=engine.profile.compute.prefill_tokens_per_s,
         )
-        caps = set(info.get("capabilities") or ())
+        caps = set(info.capabilities)
         view = WorkerView(
             wid,
             cost,
             supports_prefetch="prefetch" in caps,
             supports_peer_pull="peer_pull" in caps,
         )
-        self.workers[wid] = _Worker(engine, view, InflightLedger(wid))
+        self.workers[wid] = _Worker(engine, FleetWorker(view, ledger=InflightLedger(wid)))
         if not self.oracle:
             self.index.add_worker(
-                wid, bytes.fromhex(info["namespace_digest"]), info["block_size"], remote_group=info.get("remote_group")
+                wid, bytes.fromhex(info.namespace_digest), info.block_size, remote_group=info.remote_group
             )
         self.poll(wid, now)
 
@@ -236,47 +241,11 @@ class SimRouter:
         if w is None:
             return
         w.engine.advance(now)
-        self._apply_report(w.view, w.engine.load_report(now))
+        # a poll is instantaneous: it knows everything the worker has accepted
+        w.fleet.on_report(w.engine.load_report(now), now, now)
         if w.view.waiting_requests > self.counters.max_waiting_seen:
             self.counters.max_waiting_seen = w.view.waiting_requests
-        w.load_t = now
-        w.ledger.report_taken(now)  # a poll is instantaneous: it knows what the worker has accepted
-        w.ledger.fill_counts(w.view)
         self.counters.polls += 1
-
-    @staticmethod
-    def _apply_report(v: WorkerView, rep: dict[str, Any]) -> None:
-        v.waiting_requests = rep["waiting_requests"]
-        v.waiting_prefill_tokens = rep["waiting_prefill_tokens"]
-        v.running_requests = rep["running_requests"]
-        v.running_prefill_tokens = rep.get("running_prefill_tokens", 0)
-        v.est_queue_s = rep["est_queue_s"]
-        gpu = rep["blocks"].get("GPU")
-        if gpu is not None:
-            v.gpu_free_blocks = gpu["free"]
-            v.gpu_capacity_blocks = gpu.get("capacity") or gpu["used"] + gpu["free"]
-        if rep.get("max_waiting") is not None:
-            v.max_waiting = rep["max_waiting"]
-        c = v.cost
-        s = rep.get("speeds") or {}
-        if s.get("prefill_tokens_per_s"):
-            c.prefill_tokens_per_s = s["prefill_tokens_per_s"]
-        if s.get("prefill_attn_s_per_token2") is not None:
-            c.prefill_attn_s_per_token2 = s["prefill_attn_s_per_token2"]
-        if s.get("prefill_overhead_s") is not None:
-            c.prefill_overhead_s = s["prefill_overhead_s"]
-        if s.get("decode_step_s") is not None:
-            c.decode_step_s = s["decode_step_s"]
-        for name, link in (rep.get("tiers") or {}).items():
-            t = _TIER_NAMES.get(name.upper())
-            if t is None or link["read_Bps"] <= 0:
-                continue
-            cur = c.links.get(t)
-            if cur is None:
-                c.links[t] = Link(link["read_Bps"], link["latency_s"])
-            else:
-                cur.read_Bps = link["read_Bps"]
-                cur.latency_s = link["latency_s"]
 
     def _apply(self, worker_id: str, events: list[KVEvent]) -> None:
         if self.index.has_worker(worker_id):
@@ -299,9 +268,9 @@ class SimRouter:
         for wid, w in self.workers.items():
             eng = w.engine
             eng.advance(now)
-            self._apply_report(w.view, eng.load_report(now))
+            apply_report(w.view, eng.load_report(now))
             v = w.view
-            w.ledger.fill(v, now)  # its inflight_loads; the counts are the truth's, below
+            w.fleet.ledger.fill(v, now)  # its inflight_loads; the counts are the truth's, below
             v.report_age_s = 0.0
             v.inflight_requests = 0
             v.inflight_prefill_tokens = 0
@@ -332,9 +301,8 @@ class SimRouter:
         else:
             self.deliver(now)
             views = []
-            for wid, w in self.workers.items():
-                w.view.report_age_s = now - w.load_t if w.load_t is not None else 0.0
-                w.ledger.fill(w.view, now)
+            for w in self.workers.values():
+                w.fleet.refresh(now)
                 views.append(w.view)
             matches = self.index.match(digests)
         if candidates is not None:
@@ -356,31 +324,23 @@ class SimRouter:
         pid: str,
     ) -> int:
         """The gateway's prefetch step; returns blocks asked for (0 = none sent)."""
-        s = self.settings
         w = self.workers[worker_id]
-        k = min(d.prefetch_blocks, len(keys))
-        if not s.prefetch or k < s.prefetch_min_blocks or not w.view.supports_prefetch:
+        plan = plan_prefetch(d, len(keys), rr.matches.get(worker_id), est, self.settings.prefetch_rule,
+                             w.view.supports_prefetch)
+        if plan is None:
             return 0
-        m = rr.matches.get(worker_id)
-        start = 0
-        if m is not None and m.runs and m.runs[0][0] is Tier.GPU:
-            start = min(m.runs[0][1], k)
-        if k - start < s.prefetch_min_blocks:
-            return 0
-        queue_s = est.t_queue if est is not None else 0.0
-        deadline = now + max(s.prefetch_min_deadline_s, queue_s + s.prefetch_margin_s)
         source = None
-        if d.prefetch_from_peer:
-            peer = self.workers.get(d.prefetch_from_peer)
+        if plan.peer:
+            peer = self.workers.get(plan.peer)
             source = peer.engine if peer is not None else None
         try:
-            w.engine.prefetch(keys[start:k], now, deadline, pid, source)
+            w.engine.prefetch(keys[plan.start:plan.end], now, now + plan.deadline_s, pid, source)
         except (PrefetchQueueFull, BadRequest):  # a 429/400 to the gateway: counted, the request goes on
             self.counters.prefetches_refused += 1
             return 0
         self.counters.prefetches_sent += 1
-        self.counters.prefetch_blocks_sent += k - start
-        return k - start
+        self.counters.prefetch_blocks_sent += plan.blocks
+        return plan.blocks
 
     # ------------------------------------------------------------------ accounting
 
@@ -392,31 +352,27 @@ class SimRouter:
         w = self.workers[worker_id]
         if est is None and self._last_decision is not None:
             est = self.estimate_for(self._last_decision, worker_id)
-        r = w.ledger.dispatched(now, prefill_tokens, kv_tokens, est)
-        w.ledger.fill_counts(w.view)
-        return r
+        return w.fleet.dispatched(now, prefill_tokens, kv_tokens, est)
 
     def accepted(self, r: Inflight, now: float) -> None:
         """The request reached its worker (after `send_delay`): reports from now on hold it."""
         w = self.workers.get(r.worker_id)
         if w is not None:
-            w.ledger.accepted(r, now)
+            w.fleet.accepted(r, now)
 
     def first_token(self, r: Inflight) -> None:
         w = self.workers.get(r.worker_id)
         if w is None:  # it left: nothing to count any more
             r.prefilled = True
             return
-        w.ledger.first_token(r)
-        w.ledger.fill_counts(w.view)
+        w.fleet.first_token(r)
 
     def finished(self, r: Inflight) -> None:
         w = self.workers.get(r.worker_id)
         if w is None:
             r.prefilled = r.done = True
             return
-        w.ledger.finished(r)
-        w.ledger.fill_counts(w.view)
+        w.fleet.finished(r)
 
     def observe(self, worker_id: str, predicted: float | None, measured: float, kv: dict[str, Any] | None) -> None:
         self.policy.observe(worker_id, predicted, measured, kv)

@@ -194,8 +194,8 @@ def test_events_rebuild_state(seed: int) -> None:
         assert e.kv.n_anon == 0 and e.kv.n_pinned == 0
         assert len(e.kv.lru) == len(e.kv.gpu) <= e.kv.capacity
         load = e.load_report(e.now)
-        assert load["waiting_prefill_tokens"] == load["running_prefill_tokens"] == load["running_requests"] == 0
-        assert load["est_queue_s"] == 0.0
+        assert load.waiting_prefill_tokens == load.running_prefill_tokens == load.running_requests == 0
+        assert load.est_queue_s == 0.0
 
 
 @pytest.mark.parametrize("seed", range(4))

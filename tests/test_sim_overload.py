@@ -38,7 +38,7 @@ def test_queue_grows_ttft_grows_nothing_lost() -> None:
     prof = make_profile(gpu_blocks=4096, max_waiting=20, max_num_batched_tokens=256, max_num_seqs=8)
     eng = SimEngine("w0", prof)
     ttft, done, refused, _ = burst(eng, 40, 200, 20)
-    assert eng.load_report(0.0)["waiting_requests"] == 20
+    assert eng.load_report(0.0).waiting_requests == 20
     drain(eng)
     accepted = [f"r{i}" for i in range(40) if f"r{i}" not in refused]
     assert len(refused) == 40 - len(accepted) > 0

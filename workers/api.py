@@ -11,7 +11,7 @@ usage. Everything an engine needs to plug in is here:
   set, or raises `EngineError` mid-way (the app sends an error event; never silent).
 - `prefetch`, `cancel_prefetch`, `purge`, `export_blocks`: the `/kv/*` endpoints.
 - `info()`, `load()`: the `/info` (minus URL and event endpoints, which the server adds)
-  and `/load` JSON of docs/wire.md; `counters()`: engine counters for `/metrics`.
+  and `/load` bodies of docs/wire.md, as the `kvwire` structs the gateway decodes; `counters()`: engine counters for `/metrics`.
 - `draining`: when True, new generations get 503 and `/health` says "draining".
 """
 from __future__ import annotations
@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kvwire import LoadReport, WorkerInfo
 from workers.usage import Usage
 
 
@@ -110,9 +111,9 @@ class Engine(Protocol):
 
     async def close(self) -> None: ...
 
-    def info(self) -> dict[str, Any]: ...
+    def info(self) -> WorkerInfo: ...
 
-    def load(self) -> dict[str, Any]: ...
+    def load(self) -> LoadReport: ...
 
     async def generate(self, req: GenRequest) -> GenStream: ...
 
@@ -129,14 +130,3 @@ class Engine(Protocol):
         ...
 
 
-@dataclass(slots=True)
-class EventsInfo:
-    """Where a worker publishes its KV events (added to /info by the server)."""
-
-    endpoint: str
-    replay_endpoint: str | None
-    topic: str = "kv"
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"endpoint": self.endpoint, "replay_endpoint": self.replay_endpoint, "topic": self.topic, **self.extra}

@@ -34,7 +34,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from workers.api import Engine, EventsInfo, GenRequest, GenStream, PeerRef, PrefetchSpec
+from kvwire import EventsInfo
+from workers.api import Engine, GenRequest, GenStream, PeerRef, PrefetchSpec
 from workers.errors import BadRequest, Draining, EngineError, NotFound
 from workers.metrics import WorkerMetrics
 from workers.schema import BlocksBody, ChatBody, CompletionAny, CompletionIds, PrefetchBody, PurgeBody
@@ -291,10 +292,10 @@ def build_app(
     """The worker's Starlette app over `engine` (see the module doc)."""
     metrics = WorkerMetrics(engine)
     info0 = engine.info()
-    served = set(info0.get("served_model_names") or []) | {info0.get("model")}
-    default_model = (info0.get("served_model_names") or [info0.get("model")])[0]
-    max_ctx = int(info0.get("max_context_tokens") or 0)
-    block_size = int(info0.get("block_size") or 16)
+    served = set(info0.served_model_names) | {info0.model}
+    default_model = (info0.served_model_names or [info0.model])[0]
+    max_ctx = info0.max_context_tokens or 0
+    block_size = info0.block_size or 16
     max_blocks = max(1, max_ctx // block_size) if max_ctx else 1 << 16
     tok = engine.tokenizer
     peer_secret = peer_token.encode() if peer_token else None
@@ -474,10 +475,7 @@ def build_app(
 
     @endpoint("info")
     async def info(request: Request) -> Response:
-        d = engine.info()
-        d["url"] = url
-        d["events"] = events.to_dict() if events is not None else None
-        return _json(d)
+        return _json(msgspec.structs.replace(engine.info(), url=url, events=events))
 
     @endpoint("health")
     async def health(request: Request) -> Response:

@@ -20,7 +20,7 @@ from typing import TextIO
 import uvicorn
 import zmq.asyncio
 
-from workers.api import EventsInfo
+from kvwire import EventsInfo
 from workers.app import build_app
 from workers.publisher import KVEventPublisher
 from workers.sim.driver import SimDriver

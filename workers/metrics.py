@@ -33,13 +33,13 @@ class _EngineCollector(Collector):
         ):
             metric = "est_queue_seconds" if name == "est_queue_s" else name
             g = GaugeMetricFamily(f"kvroute_worker_{metric}", doc)
-            g.add_metric([], float(load.get(name, 0)))
+            g.add_metric([], float(getattr(load, name)))
             yield g
         used = GaugeMetricFamily("kvroute_worker_blocks_used", "KV blocks held per tier", labels=["tier"])
         cap = GaugeMetricFamily("kvroute_worker_blocks_capacity", "KV block capacity per tier", labels=["tier"])
-        for tier, b in load.get("blocks", {}).items():
-            used.add_metric([tier], float(b["used"]))
-            cap.add_metric([tier], float(b["capacity"]))
+        for tier, b in load.blocks.items():
+            used.add_metric([tier], float(b.used))
+            cap.add_metric([tier], float(b.total))
         yield used
         yield cap
         for name, values in self.engine.counters().items():

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvwire import BlockCounts
+
 from ..simulate import Simulation
 from ..workloads import PrefixMix, prefix_workload
 from .base import Context, settings, sized_profile
@@ -32,9 +34,9 @@ def run(ctx: Context) -> None:
     def sample(sim: Simulation, now: float) -> None:
         used = cap = 0
         for eng in sim.fleet.engines.values():
-            b = eng.load_report(now)["blocks"].get("DISK", {"used": 0, "capacity": 0})
-            used = max(used, b["used"])
-            cap = b["capacity"]
+            b = eng.load_report(now).blocks.get("DISK", BlockCounts())
+            used = max(used, b.used)
+            cap = b.capacity
         samples.append((now, used, cap))
 
     period = trace.span_s / 40
@@ -42,20 +44,20 @@ def run(ctx: Context) -> None:
 
     def keep(sim: Simulation) -> None:
         sample(sim, sim.now)
-        facts["disk_blocks"] = [eng.load_report(sim.now)["blocks"]["DISK"] for eng in sim.fleet.engines.values()]
+        facts["disk_blocks"] = [eng.load_report(sim.now).blocks["DISK"] for eng in sim.fleet.engines.values()]
 
     run_ = ctx.simulate(trace, "kv_cost", st, actions=[(i * period, sample) for i in range(1, 41)], keep=keep)
     ok = sum(1 for r in run_.results if r.ok)
     ctx.check("every request answered", ok == n, f"{ok}/{n}")
     blocks = facts["disk_blocks"]
-    fill = min(b["used"] / b["capacity"] for b in blocks)
+    fill = min(b.used / b.capacity for b in blocks)
     ctx.check("the SSD fills to capacity", fill >= 0.95,
-              "DISK used/capacity per worker at the end: " + ", ".join(f"{b['used']}/{b['capacity']}" for b in blocks))
+              "DISK used/capacity per worker at the end: " + ", ".join(f"{b.used}/{b.capacity}" for b in blocks))
     over = [s for s in samples if s[1] > s[2]]
     ctx.check("never above capacity", not over and bool(samples),
               f"{len(samples)} samples, {len(over)} above capacity")
     written = int(run_.meta.stats.get("disk_bytes_written", 0))
-    cap_bytes = sum(b["capacity"] for b in blocks) * prof.geometry.bytes_per_token * st.fleet.block_size  # type: ignore[operator]
+    cap_bytes = sum(b.capacity for b in blocks) * prof.geometry.bytes_per_token * st.fleet.block_size  # type: ignore[operator]
     ctx.check("write volume reported (turnover past capacity)", written > cap_bytes,
               f"{written / 1e9:.1f} GB written to SSD for {cap_bytes / 1e9:.1f} GB of capacity "
               f"({written / cap_bytes:.1f} drive fills)")

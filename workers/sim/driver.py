@@ -28,6 +28,7 @@ from typing import Any
 import aiohttp
 
 from kvindex.tiers import Tier
+from kvwire import LoadReport, WorkerInfo
 
 from workers.api import BlockExport, GenChunk, GenRequest, PrefetchResult, PrefetchSpec
 from workers.errors import BadRequest, Draining, EngineError
@@ -249,15 +250,15 @@ class SimDriver:
             await self._http.close()
             self._http = None
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> WorkerInfo:
         return self.engine.info()
 
-    def load(self) -> dict[str, Any]:
+    def load(self) -> LoadReport:
         now = self._sync()
-        d = self.engine.load_report(now)
-        d["ts"] = time.time()
+        rep = self.engine.load_report(now)
+        rep.ts = time.time()
         self.schedule()
-        return d
+        return rep
 
     async def generate(self, req: GenRequest) -> _SimStream:
         if self.draining:

@@ -14,8 +14,8 @@ API (fixed; the offline simulator and the HTTP driver code against it)::
     eng.cancel(request_id, now) -> bool
     eng.prefetch(keys, now, deadline, prefetch_id, source=None) -> accepted blocks
     eng.cancel_prefetch(prefetch_id) -> bool
-    eng.load_report(now) -> dict         # the /load JSON of docs/wire.md
-    eng.info() -> dict                   # the /info JSON, minus what the server adds
+    eng.load_report(now) -> LoadReport   # the /load body of docs/wire.md (kvwire)
+    eng.info() -> WorkerInfo             # the /info body, minus what the server adds
     eng.purge(cache_salt, everything=False) -> blocks dropped
     eng.estimate_queue_s(now) -> float   # wait before a request arriving now starts prefill
     eng.tiers_snapshot() -> {Tier: set of keys}
@@ -66,6 +66,7 @@ from typing import Any, Protocol
 from kvindex.events import KVEvent
 from kvindex.keys import BlockHasher
 from kvindex.tiers import Tier
+from kvwire import LoadReport, NamespaceInfo, Speeds, TierLink, WorkerInfo
 
 from workers.errors import BadRequest, PrefetchQueueFull, QueueFull, RequestTooLarge
 from workers.usage import Usage
@@ -452,65 +453,54 @@ class SimEngine:
                 tr.cancelled = True
         return True
 
-    def load_report(self, now: float) -> dict[str, Any]:
-        """The /load JSON of docs/wire.md (`ts` in the caller's time domain)."""
-        p = self.profile
+    def load_report(self, now: float) -> LoadReport:
+        """The /load body of docs/wire.md (`ts` in the caller's time domain)."""
         c = self.compute
         b = len(self._decoding)
-        tiers: dict[str, dict[str, float]] = {}
-        for tier, link in self._links.items():
-            tiers[tier.name] = {"read_Bps": link.read_Bps, "latency_s": link.latency_s}
-        return {
-            "worker_id": self.worker_id,
-            "ts": now,
-            "waiting_requests": len(self._waiting),
-            "waiting_prefill_tokens": self._waiting_tokens,
-            "running_requests": len(self._loading) + len(self._prefilling) + b,
-            "running_prefill_tokens": self._running_prefill,
-            "est_queue_s": self.estimate_queue_s(now),
-            "blocks": self.kv.blocks_report(),
-            "speeds": {
-                "prefill_tokens_per_s": c.prefill_tokens_per_s,
-                "prefill_attn_s_per_token2": c.prefill_attn_s_per_token2,
-                "prefill_overhead_s": c.prefill_overhead_s,
-                "decode_step_s": c.decode_step_s(max(b, 1), self._decode_ctx if b else 0),
-            },
-            "tiers": tiers,
-            "prefetch_queue": len(self._prefetches),
-            "max_waiting": self.max_waiting,
-            "block_size": self.bs,
-            "profile": p.name,
-        }
+        return LoadReport(
+            worker_id=self.worker_id,
+            ts=now,
+            waiting_requests=len(self._waiting),
+            waiting_prefill_tokens=self._waiting_tokens,
+            running_requests=len(self._loading) + len(self._prefilling) + b,
+            running_prefill_tokens=self._running_prefill,
+            est_queue_s=self.estimate_queue_s(now),
+            blocks=self.kv.blocks_report(),
+            speeds=Speeds(
+                prefill_tokens_per_s=c.prefill_tokens_per_s,
+                prefill_attn_s_per_token2=c.prefill_attn_s_per_token2,
+                prefill_overhead_s=c.prefill_overhead_s,
+                decode_step_s=c.decode_step_s(max(b, 1), self._decode_ctx if b else 0),
+            ),
+            tiers={t.name: TierLink(link.read_Bps, link.latency_s) for t, link in self._links.items()},
+            prefetch_queue=len(self._prefetches),
+            max_waiting=self.max_waiting,
+            block_size=self.bs,
+            profile=self.profile.name,
+        )
 
-    def info(self) -> dict[str, Any]:
-        """The /info JSON of docs/wire.md, without the URLs and endpoints the server adds."""
+    def info(self) -> WorkerInfo:
+        """The /info body of docs/wire.md, without the URLs and endpoints the server adds."""
         ns = self.namespace
         caps = ["prefetch", "purge"]
         if Tier.PEER in self._links:
             caps.insert(1, "peer_pull")
-        return {
-            "worker_id": self.worker_id,
-            "kind": "kvroute",
-            "engine": "sim",
-            "model": self.profile.model,
-            "served_model_names": list(self.profile.names()),
-            "namespace": {
-                "model": ns.model,
-                "revision": ns.revision,
-                "tokenizer_revision": ns.tokenizer_revision,
-                "kv_dtype": ns.kv_dtype,
-                "parallel": ns.parallel,
-                "block_size": ns.block_size,
-            },
-            "namespace_digest": ns.digest.hex(),
-            "block_size": self.bs,
-            "block_bytes": self.block_bytes,
-            "max_context_tokens": self._max_tokens_ctx,
-            "kv_capacity_tokens": self._capacity_tokens,
-            "remote_group": self.remote.name if self.remote is not None else None,
-            "capabilities": caps,
-            "profile": self.profile.name,
-        }
+        return WorkerInfo(
+            worker_id=self.worker_id,
+            kind="kvroute",
+            engine="sim",
+            model=self.profile.model,
+            served_model_names=list(self.profile.names()),
+            namespace=NamespaceInfo(ns.model, ns.revision, ns.tokenizer_revision, ns.kv_dtype, ns.parallel, ns.block_size),
+            namespace_digest=ns.digest.hex(),
+            block_size=self.bs,
+            block_bytes=self.block_bytes,
+            max_context_tokens=self._max_tokens_ctx,
+            kv_capacity_tokens=self._capacity_tokens,
+            remote_group=self.remote.name if self.remote is not None else None,
+            capabilities=caps,
+            profile=self.profile.name,
+        )
 
     def purge(self, cache_salt: str | None, everything: bool = False, *, lora: str | None = None) -> int:
         """Drop every block of chains salted with `cache_salt`, of LoRA adapter `lora` (an

@@ -38,6 +38,7 @@ from typing import Any, NamedTuple
 from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvindex.keys import digest64, digests64
 from kvindex.tiers import Tier
+from kvwire import BlockCounts
 
 from .admission import AdmissionFilter
 from .remote import RemoteStore
@@ -632,13 +633,13 @@ class TieredKV:
         out.extend([None] * (len(keys) - len(out)))
         return out
 
-    def blocks_report(self) -> dict[str, dict[str, int]]:
-        out = {"GPU": {"used": self.used(), "free": self.free(), "capacity": self.capacity}}
+    def blocks_report(self) -> dict[str, BlockCounts]:
+        out = {"GPU": BlockCounts(self.used(), self.free(), self.capacity)}
         for tier, od, cap in self._lower:
-            out[tier.name] = {"used": len(od), "free": cap - len(od), "capacity": cap}
+            out[tier.name] = BlockCounts(len(od), cap - len(od), cap)
         if self.remote is not None:
             r = self.remote
-            out["REMOTE"] = {"used": len(r), "free": r.capacity_blocks - len(r), "capacity": r.capacity_blocks}
+            out["REMOTE"] = BlockCounts(len(r), r.capacity_blocks - len(r), r.capacity_blocks)
         return out
 
 

@@ -1,0 +1,178 @@
+"""The router's view of one worker, and the prefetch it sends with a request.
+
+A worker's `WorkerView` joins its last `/load` report with the router's own in-flight
+ledger; the prefetch plan says which blocks to raise before the request arrives. The
+gateway (router/pool.py, router/gateway.py) and the offline simulator
+(loadtest/router_model.py) both run exactly this code, so what the simulator measures
+is what the gateway does. Pure: callers pass the clock.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvindex.index import PrefixMatch
+from kvindex.tiers import Tier
+from kvwire import LoadReport
+
+from .inflight import InflightLedger, Ticket
+from .types import Decision, Estimate, Link, WorkerView
+
+TIER_BY_NAME: dict[str, Tier] = {t.name: t for t in Tier}
+SPEED_FIELDS = ("prefill_tokens_per_s", "prefill_attn_s_per_token2", "prefill_overhead_s", "decode_step_s")
+
+
+@dataclass(frozen=True, slots=True)
+class Pins:
+    """Cost coefficients an operator fixed in config: reports never override them (a
+    number in config is a deliberate correction of what the worker measures)."""
+
+    speeds: frozenset[str] = frozenset()
+    tiers: frozenset[Tier] = frozenset()
+
+
+NO_PINS = Pins()
+
+
+def apply_report(v: WorkerView, rep: LoadReport, pins: Pins = NO_PINS) -> None:
+    """Set the view's load fields from a report and fold its speeds and tier links into
+    the view's `CostParams`, except what `pins` fixes."""
+    v.waiting_requests = rep.waiting_requests
+    v.waiting_prefill_tokens = rep.waiting_prefill_tokens
+    v.running_requests = rep.running_requests
+    v.running_prefill_tokens = rep.running_prefill_tokens
+    v.est_queue_s = rep.est_queue_s
+    gpu = rep.blocks.get("GPU")
+    if gpu is not None:
+        v.gpu_free_blocks = gpu.free
+        v.gpu_capacity_blocks = gpu.total
+    if rep.max_waiting is not None:
+        v.max_waiting = rep.max_waiting
+    _apply_speeds(v, rep, pins)
+    _apply_links(v, rep, pins)
+
+
+def _apply_speeds(v: WorkerView, rep: LoadReport, pins: Pins) -> None:
+    s = rep.speeds
+    if s is None:
+        return
+    c = v.cost
+    # A zero throughput is "not measured yet", never a speed to divide by.
+    if s.prefill_tokens_per_s and "prefill_tokens_per_s" not in pins.speeds:
+        c.prefill_tokens_per_s = s.prefill_tokens_per_s
+    if s.prefill_attn_s_per_token2 is not None and "prefill_attn_s_per_token2" not in pins.speeds:
+        c.prefill_attn_s_per_token2 = s.prefill_attn_s_per_token2
+    if s.prefill_overhead_s is not None and "prefill_overhead_s" not in pins.speeds:
+        c.prefill_overhead_s = s.prefill_overhead_s
+    if s.decode_step_s is not None and "decode_step_s" not in pins.speeds:
+        c.decode_step_s = s.decode_step_s
+
+
+def _apply_links(v: WorkerView, rep: LoadReport, pins: Pins) -> None:
+    links = v.cost.links
+    for name, link in rep.tiers.items():
+        t = TIER_BY_NAME.get(name.upper())
+        if t is None or t is Tier.GPU or link.read_Bps <= 0 or t in pins.tiers:
+            continue
+        cur = links.get(t)
+        if cur is None:
+            links[t] = Link(link.read_Bps, link.latency_s)
+        else:
+            cur.read_Bps = link.read_Bps
+            cur.latency_s = link.latency_s
+
+
+@dataclass(slots=True, eq=False)
+class FleetWorker:
+    """One worker as the router knows it: the planner's view, the in-flight ledger and
+    when the last report came. Every change to the view goes through here."""
+
+    view: WorkerView
+    pins: Pins = NO_PINS
+    ledger: InflightLedger = field(default_factory=InflightLedger)
+    load_t: float | None = None  # when the last report arrived (None: never)
+
+    @property
+    def worker_id(self) -> str:
+        return self.view.worker_id
+
+    def on_report(self, rep: LoadReport, now: float, sent_at: float | None = None) -> None:
+        """A report arrived at `now`; it was asked for at `sent_at` (None: an instantaneous
+        poll, which knows everything the worker accepted)."""
+        apply_report(self.view, rep, self.pins)
+        self.on_counts(now, sent_at)
+
+    def on_counts(self, now: float, sent_at: float | None = None) -> None:
+        """The view's load fields were just set from a report (a vLLM worker's metrics
+        come this way): re-base the ledger's since-report counts on it."""
+        self.load_t = now
+        self.ledger.report_taken(sent_at)
+        self.ledger.fill_counts(self.view)
+
+    def refresh(self, now: float) -> None:
+        """Before a decision at `now`: the report's age and the ledger's view."""
+        self.view.report_age_s = now - self.load_t if self.load_t is not None else 0.0
+        self.ledger.fill(self.view, now)
+
+    def dispatched(self, now: float, prefill_tokens: int, kv_tokens: int, est: Estimate | None) -> Ticket:
+        t = self.ledger.dispatched(now, prefill_tokens, kv_tokens, est)
+        self.ledger.fill_counts(self.view)
+        return t
+
+    def accepted(self, t: Ticket, now: float) -> None:
+        self.ledger.accepted(t, now)
+
+    def first_token(self, t: Ticket, now: float | None = None) -> None:
+        self.ledger.first_token(t, now)
+        self.ledger.fill_counts(self.view)
+
+    def finished(self, t: Ticket) -> None:
+        self.ledger.finished(t)
+        self.ledger.fill_counts(self.view)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefetchRule:
+    """When a prefetch is worth sending, and its deadline (config `routing.prefetch`)."""
+
+    enabled: bool = True
+    min_blocks: int = 1
+    margin_s: float = 0.05
+    min_deadline_s: float = 0.2
+
+
+@dataclass(frozen=True, slots=True)
+class PrefetchPlan:
+    """Raise the request's blocks `[start, end)` toward GPU within `deadline_s` (relative),
+    from `peer` (a worker id) when set, else from the worker's own lower tiers."""
+
+    start: int
+    end: int
+    deadline_s: float
+    peer: str | None = None
+
+    @property
+    def blocks(self) -> int:
+        return self.end - self.start
+
+
+def plan_prefetch(
+    d: Decision, n_blocks: int, match: PrefixMatch | None, est: Estimate | None, rule: PrefetchRule,
+    supports_prefetch: bool,
+) -> PrefetchPlan | None:
+    """The prefetch to send with decision `d` to its worker, for a request of `n_blocks`
+    full blocks, or None.
+
+    The blocks up to the decision's cut, minus the leading run the worker already holds
+    on GPU (nothing to raise there); the deadline covers the predicted queue wait plus a
+    margin, so the blocks land before the request needs them and not long after."""
+    end = min(d.prefetch_blocks, n_blocks)
+    if not rule.enabled or not supports_prefetch or end < rule.min_blocks:
+        return None
+    start = 0
+    if match is not None and match.runs and match.runs[0][0] is Tier.GPU:
+        start = min(match.runs[0][1], end)
+    if end - start < rule.min_blocks:
+        return None
+    queue_s = est.t_queue if est is not None else 0.0
+    deadline = max(rule.min_deadline_s, queue_s + rule.margin_s)
+    return PrefetchPlan(start, end, deadline, d.prefetch_from_peer)
