@@ -1,49 +1,11 @@
 """The router as the offline simulator models it: what the gateway knows, when it knows it.
 
-The point is to run the planner's policies on the same inputs the gateway gives
-them (router/pool.py, router/gateway.py), not on the simulator's truth:
-
-* **Index**: a `kvindex.PrefixIndex` at the fleet's block size, fed only by the
-  engines' KV events (our workers publish digest64 block hashes, token ids, parent
-  digest, extra keys, one `medium` per tier), optionally `event_lag_s` late. Each
-  worker joins with its namespace digest and its REMOTE group, as the gateway
-  registers it from `/info`.
-* **Load reports**: each worker's `/load` JSON (`SimEngine.load_report`) polled every
-  `poll_interval_s` (default 0.1 s, the gateway's `pool.load_poll_interval_s`),
-  workers' polls staggered across the interval. A report sets `waiting_requests`,
-  `waiting_prefill_tokens`, `running_requests`, `running_prefill_tokens`,
-  `est_queue_s`, GPU free/capacity blocks, `max_waiting`, and folds the reported
-  speeds and tier links into the view's `CostParams` (block size and bytes of the
-  index block), exactly the fields router/pool.py `_apply_load` sets.
-* **In-flight accounting**: one `InflightLedger` per worker (router/planner/inflight.py,
-  the very code router/pool.py `dispatched`/`first_token`/`finished` run): at dispatch
-  `inflight_requests += 1`, `inflight_prefill_tokens +=` the chosen estimate's
-  `recompute_tokens` (prompt tokens when the policy gave no eligible
-  estimate), `active_kv_tokens +=` prompt + max_tokens, and the same into
-  `inflight_since_report_*`; prefill tokens leave at the first token, the rest at
-  the end. A poll re-counts what was dispatched after it (none, in the simulator: a
-  poll is instantaneous). `report_age_s` = now − the report's time. A dispatch whose
-  chosen estimate loads blocks from below GPU (`t_load_total > 0`) also records when
-  it is predicted to start prefilling (`now + t_queue + t_load`) and its `t_prefill`;
-  until its first token (and at most `inflight.LOADS_KEPT_S` past that time),
-  `inflight_loads` lists it (`(seconds from now, t_prefill)`) for the interference
-  term of kv_cost/oracle. The gateway does the same (router/pool.py `refresh_ages`).
-* **RouteRequest**: prompt tokens, the request's digest64s at the fleet block size,
-  `index.match(digests)` over the routable workers, max_tokens, now, request id.
-* **Prefetch** (router/gateway.py `_send_prefetch`): when the decision asks for
-  `prefetch_blocks` ≥ `prefetch_min_blocks` and the worker supports it, the blocks
-  after the worker's leading GPU run up to the cut are sent, deadline
-  `max(prefetch_min_deadline_s, t_queue + prefetch_margin_s)`, from the named peer
-  when `prefetch_from_peer` is set — before the request is submitted.
-* **Feedback**: `policy.observe(worker, predicted, first-token − dispatch, usage.kv)`.
-
-`oracle=True` replaces all of that with the truth for the `oracle` policy: every
-view is rebuilt at decision time from `load_report(now)` (exact `est_queue_s`, age
-0, no in-flight guesses: everything dispatched is inside the engines), and matches
-come from the engines' own `match_tiers` (the index is never stale). Its
-`inflight_loads` is the same in-flight list: the load prediction the oracle made at
-each dispatch from the exact state then (the engines do not report per-request load
-progress).
+It runs the gateway's own code on the gateway's inputs: the policy, the fleet view
+(`router/planner/fleet.py`: `/load` reports into `WorkerView`s, the in-flight ledger,
+the prefetch plan) and a `kvindex.PrefixIndex` fed only by the engines' KV events. Only
+timing is the simulator's: polls every `poll_interval_s`, events `event_lag_s` late,
+and the optional transport delays of `RouterSettings`. `oracle=True` replaces the
+inputs with the engines' truth. Details: docs/simulator.md.
 """
 from __future__ import annotations
 

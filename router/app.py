@@ -1,19 +1,10 @@
-"""The ASGI application: a small, direct router over `Gateway` (no web framework on the hot path).
+"""The ASGI application: a small, direct router over `Gateway` (no framework on the hot path).
 
-Why not Starlette here: a routed request's CPU is the product's cost (the peers' Rust
-routers spend 200–565 µs per request), and a framework's request/response objects,
-middleware stack and routing regexes are pure overhead for eleven fixed paths. This
-module reads the body with a size cap, dispatches on (method, path), and writes
-responses with the raw ASGI `send`.
-
-Streaming and disconnects: the handler runs as a task while a watcher awaits the
-client's `http.disconnect`; on disconnect the handler is cancelled (closing the
-upstream connection, which cancels the request on the worker, and cancelling its
-prefetch). uvicorn's `send` awaits transport flow control, so a slow client slows
-the upstream read: backpressure end to end.
-
-Every exception that escapes a handler becomes an OpenAI-shaped 500 with a request
-id, logged with its traceback — never a bare 500 or a hang.
+A routed request's CPU is the product's cost, and a framework's request objects,
+middleware and routing regexes are overhead for a dozen fixed paths. The handler runs
+as a task while a watcher awaits the client's disconnect (which cancels it, closing
+the upstream connection); every escaping exception becomes an OpenAI-shaped 500 with
+a request id. Details: docs/gateway.md.
 """
 from __future__ import annotations
 
@@ -28,7 +19,8 @@ import msgspec
 
 from .config import WorkerConfig
 from .errors import ApiError, bad_request, internal, not_found, too_large
-from .gateway import JSON_HEADERS, Gateway
+from .gateway import Gateway
+from .relay import JSON_HEADERS
 from .responses import SSE_DONE, sse_error
 
 log = logging.getLogger("kvroute.app")

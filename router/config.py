@@ -20,6 +20,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .planner.registry import make_policy, policy_params
+
 ENV_PREFIX = "KVROUTE_"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROFILES_DIR = REPO_ROOT / "configs" / "profiles"
@@ -167,6 +169,15 @@ class RoutingConfig(_Strict):
     retries: int = Field(default=1, ge=0, le=3)
     default_retry_after_s: float = Field(default=1.0, gt=0)
 
+    @model_validator(mode="after")
+    def _policy(self) -> RoutingConfig:
+        """A typo in the policy or its parameters fails at start, with the valid choices."""
+        params = dict(self.params)
+        if self.max_ttft_s is not None and "max_ttft_s" in policy_params(self.policy):
+            params.setdefault("max_ttft_s", self.max_ttft_s)
+        make_policy(self.policy, **params)
+        return self
+
 
 class TenantConfig(_Strict):
     id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
@@ -273,12 +284,6 @@ class Config(_Strict):
                 raise ValueError(f"shared prefix {s.name!r}: unknown model {s.model!r}")
         return self
 
-    def model_by_name(self, name: str) -> ModelConfig | None:
-        for m in self.models:
-            if name == m.id or name in m.served_names:
-                return m
-        return None
-
 
 # --------------------------------------------------------------------------- loading
 
@@ -316,16 +321,20 @@ def apply_env_overrides(data: dict[str, Any], environ: Mapping[str, str]) -> dic
         for i, part in enumerate(parts):
             last = i == len(parts) - 1
             if isinstance(node, list):
-                if not part.isdigit() or int(part) >= len(node):
-                    raise ConfigError(f"{name}: no list element {part!r} to override")
+                # Element i of a list overrides it; i == its length appends one (so that
+                # KVROUTE_WORKERS__0__ID/..URL work on a config with no workers).
+                if not part.isdigit() or int(part) > len(node):
+                    raise ConfigError(f"{name}: no list element {part!r} to override (the list has {len(node)})")
                 key: Any = int(part)
+                if key == len(node):
+                    node.append(None if last else {})
             else:
                 key = part
             if last:
                 node[key] = value
             else:
-                if isinstance(node, dict) and key not in node:
-                    node[key] = {}
+                if isinstance(node, dict) and node.get(key) is None:
+                    node[key] = [] if parts[i + 1].isdigit() else {}
                 node = node[key]
                 if not isinstance(node, (dict, list)):
                     raise ConfigError(f"{name}: {'.'.join(parts[: i + 1])} is not a section")
@@ -362,7 +371,7 @@ def read_profile(name_or_path: str, base: Path = REPO_ROOT) -> dict[str, Any]:
     return data
 
 
-def _apply_profiles(cfg: Config, base: Path) -> None:
+def apply_profiles(cfg: Config, base: Path) -> None:
     """Seed a model's namespace, context and cost defaults from its profile (explicit fields win)."""
     from .profile import cost_from_profile, namespace_from_profile
 
@@ -392,7 +401,7 @@ def build_config(data: Mapping[str, Any], base: Path = REPO_ROOT, environ: Mappi
     except ValidationError as e:
         raise ConfigError(format_validation_error(e)) from None
     _resolve_paths(cfg, base)
-    _apply_profiles(cfg, base)
+    apply_profiles(cfg, base)
     for i, m in enumerate(cfg.models):
         if not m.tokenizer.is_dir():
             raise ConfigError(f"models[{i}].tokenizer: {m.tokenizer} is not a folder")

@@ -21,7 +21,7 @@ from kvindex.index import PrefixIndex
 from kvindex.ingest import IngestManager
 
 if TYPE_CHECKING:
-    from .pool import Worker
+    from .worker import Worker
 
 log = logging.getLogger("kvroute.ingest")
 

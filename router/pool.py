@@ -1,24 +1,14 @@
-"""The worker pool: registration, health, load polling, in-flight accounting.
+"""The worker pool: membership, health and registration, load polling, accounting.
 
-Each worker has one monitor task. It registers the worker (kvroute: GET /info, check
-the namespace digest and block size against the model's, learn the events endpoints;
-vLLM: everything from config), adds it to the model's prefix index and to KV-event
-ingestion, then polls its load (`/load`, or vLLM's `/metrics`) every
-`pool.load_poll_interval_s` and its `/health` every `pool.health_interval_s`.
-`pool.unhealthy_after` consecutive failures — or one refused connection on a request
-— take the worker out of routing and drop its index entries (a dead worker's cache
-is not trusted); when it answers again it is registered afresh.
-
-Each worker's `WorkerView` (the planner's input) is one object updated in place: the
-report fields at each poll, the router's own in-flight accounting on every dispatch,
-first token and finish. That accounting is the worker's `InflightLedger`
-(router/planner/inflight.py, shared with the simulator's loadtest/router_model.py):
-reports lag, so the view also counts what was dispatched after the last report was
-taken (`inflight_since_report_*`: a report knows what was dispatched before its
-request was sent), which the planner adds to the aged report
-(router/planner/load.py), and at each decision (`refresh_ages`) `inflight_loads`:
-the requests whose chosen Estimate loads KV from below GPU and have no first token
-yet, for the interference term (router/planner/cost.py `interference_seconds`).
+Each worker has one monitor task. It registers the worker (kvroute: `/info`, whose
+namespace digest and block size must match the model's; vLLM: everything from
+config), adds it to the model's prefix index and to KV-event ingestion, then polls its
+load every `pool.load_poll_interval_s` and its `/health` every
+`pool.health_interval_s`. `pool.unhealthy_after` consecutive failures, or one refused
+connection on a request, take it out of routing and drop its index entries (a dead
+worker's cache is not trusted); when it answers again it is registered afresh.
+Routing state per worker lives in its `FleetWorker` (router/planner/fleet.py), shared
+with the offline simulator.
 """
 from __future__ import annotations
 
@@ -26,173 +16,24 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from enum import Enum
-from typing import Any, Protocol
+from typing import Protocol
 
 import aiohttp
-import msgspec
-from yarl import URL  # aiohttp's own URL type (a hard dependency of aiohttp)
 
 from kvindex.index import IndexError_
-from kvindex.tiers import Tier
 
-from .config import CostConfig, EventsConfig, PoolConfig, WorkerConfig
+from .config import EventsConfig, PoolConfig, WorkerConfig
+from .costs import cost_params, pins
 from .model import ModelRuntime
-from .planner.inflight import InflightLedger, Ticket
-from .planner.types import CostParams, Estimate, Link, WorkerView
-from .vllm_load import parse_vllm_metrics
+from .planner.fleet import FleetWorker
+from .planner.inflight import InflightLedger
+from .planner.types import Estimate, WorkerView
+from .probe import BadAnswer, Probe
+from .worker import Inflight, State, Worker
 
 log = logging.getLogger("kvroute.pool")
 
-_TIERS = {"CPU": Tier.CPU, "DISK": Tier.DISK, "REMOTE": Tier.REMOTE, "PEER": Tier.PEER}
-_DEFAULT_PREFILL_TPS = 10_000.0
 _SELF_DRAINING = "worker reports draining"
-
-
-class State(str, Enum):
-    PENDING = "pending"  # not registered yet (starting, or came back)
-    HEALTHY = "healthy"
-    DRAINING = "draining"  # finishing its requests; no new ones
-    UNHEALTHY = "unhealthy"  # failed checks; out of routing and index
-    REFUSED = "refused"  # incompatible (namespace, block size): never routed
-
-
-class _Info(msgspec.Struct, forbid_unknown_fields=False):
-    namespace_digest: str
-    block_size: int
-    worker_id: str = ""
-    kind: str = "kvroute"
-    block_bytes: int | None = None
-    max_context_tokens: int | None = None
-    events: dict[str, Any] | None = None
-    remote_group: str | None = None
-    capabilities: list[str] = []
-    model: str = ""
-
-
-class _Speeds(msgspec.Struct, forbid_unknown_fields=False):
-    prefill_tokens_per_s: float | None = None
-    prefill_attn_s_per_token2: float | None = None
-    prefill_overhead_s: float | None = None
-    decode_step_s: float | None = None
-
-
-class _TierLink(msgspec.Struct, forbid_unknown_fields=False):
-    read_Bps: float
-    latency_s: float = 0.0
-
-
-class _Blocks(msgspec.Struct, forbid_unknown_fields=False):
-    used: int = 0
-    free: int = 0
-    capacity: int = 0
-
-
-class _Load(msgspec.Struct, forbid_unknown_fields=False):
-    waiting_requests: int = 0
-    waiting_prefill_tokens: int = 0
-    running_requests: int = 0
-    running_prefill_tokens: int = 0
-    est_queue_s: float = 0.0
-    blocks: dict[str, _Blocks] = {}
-    speeds: _Speeds | None = None
-    tiers: dict[str, _TierLink] = {}
-    max_waiting: int | None = None
-
-
-_info_dec = msgspec.json.Decoder(_Info)
-_load_dec = msgspec.json.Decoder(_Load)
-
-
-@dataclass(slots=True, eq=False)
-class Inflight:
-    """One dispatched request: its worker and its ticket in that worker's ledger."""
-
-    worker: Worker
-    ticket: Ticket
-
-    @property
-    def prefilled(self) -> bool:
-        return self.ticket.prefilled
-
-
-@dataclass(eq=False)
-class Worker:
-    cfg: WorkerConfig
-    model: ModelRuntime
-    view: WorkerView
-    state: State = State.PENDING
-    reason: str = ""
-    fails: int = 0
-    info: dict[str, Any] | None = None
-    events: EventsConfig | None = None
-    block_size: int = 0
-    block_bytes: int = 0
-    remote_group: str | None = None
-    capabilities: set[str] = field(default_factory=set)
-    in_index: bool = False
-    load_t: float = 0.0  # monotonic time of the last load report
-    report_sent_t: float = 0.0
-    ledger: InflightLedger = field(default_factory=InflightLedger)
-    task: asyncio.Task[None] | None = None
-    served: int = 0
-    failures_total: int = 0
-    last_error: str = ""
-    max_inflight: int | None = None
-    completions_url: URL | None = None  # parsed once: aiohttp re-parses a str URL per request
-
-    @property
-    def id(self) -> str:
-        return self.cfg.id
-
-    @property
-    def inflight(self) -> set[Ticket]:
-        """The router's requests in flight on this worker (dispatched, not finished)."""
-        return self.ledger.live
-
-    @property
-    def url(self) -> str:
-        return self.cfg.url
-
-    @property
-    def kind(self) -> str:
-        return self.cfg.kind
-
-    @property
-    def trusted_digests(self) -> bool:
-        """Our workers publish digest64 of our own chained keys (docs/wire.md), so the index
-        applies them without re-hashing token ids (sampled roots are still verified);
-        vLLM's block hashes are its own and are always recomputed from the event's tokens."""
-        return self.cfg.kind == "kvroute"
-
-    def summary(self) -> dict[str, Any]:
-        v = self.view
-        return {
-            "id": self.id,
-            "url": self.url,
-            "kind": self.kind,
-            "model": self.model.id,
-            "state": self.state.value,
-            "reason": self.reason,
-            "block_size": self.block_size,
-            "remote_group": self.remote_group,
-            "capabilities": sorted(self.capabilities),
-            "inflight": len(self.inflight),
-            "served": self.served,
-            "failures": self.failures_total,
-            "last_error": self.last_error,
-            "load": {
-                "waiting_requests": v.waiting_requests,
-                "waiting_prefill_tokens": v.waiting_prefill_tokens,
-                "running_requests": v.running_requests,
-                "est_queue_s": v.est_queue_s,
-                "gpu_free_blocks": v.gpu_free_blocks,
-                "gpu_capacity_blocks": v.gpu_capacity_blocks,
-                "report_age_s": round(time.monotonic() - self.load_t, 3) if self.load_t else None,
-            },
-            "events": None if self.events is None else self.events.model_dump(),
-        }
 
 
 class IngestLike(Protocol):
@@ -225,7 +66,7 @@ class WorkerPool:
         self._on_state = on_state
         self._on_refused = on_refused
         self._closed = False
-        self._probe_timeout = aiohttp.ClientTimeout(total=cfg.probe_timeout_s, connect=cfg.connect_timeout_s)
+        self.probe = Probe(session, cfg.probe_timeout_s, cfg.connect_timeout_s)
         self.changed = asyncio.Event()
 
     # ------------------------------------------------------------------ membership
@@ -235,12 +76,11 @@ class WorkerPool:
             raise ValueError(f"worker {wc.id!r} already exists")
         assert wc.model is not None
         model = self.models[wc.model]
-        cost = _cost_params(model, None, None, wc.cost)
-        view = WorkerView(wc.id, cost, url=wc.url, supports_prefetch=wc.kind == "kvroute")
-        w = Worker(wc, model, view, ledger=InflightLedger(wc.id))
+        view = WorkerView(wc.id, cost_params(model, wc.cost), url=wc.url, supports_prefetch=wc.kind == "kvroute")
+        w = Worker(wc, model, FleetWorker(view, pins(wc.cost), InflightLedger(wc.id)))
         w.max_inflight = wc.max_inflight or self.worker_max_inflight
         if wc.kind == "vllm":
-            model.has_vllm_workers = True
+            model.keys.has_vllm_workers = True
         self.workers[wc.id] = w
         w.task = asyncio.get_running_loop().create_task(self._monitor(w), name=f"monitor-{wc.id}")
         return w
@@ -366,27 +206,11 @@ class WorkerPool:
         w.last_error = why
         self._failed(w, why, fatal)
 
-    async def _fetch(self, w: Worker, path: str) -> bytes | None:
-        try:
-            async with self.session.get(w.url + path, timeout=self._probe_timeout) as r:
-                body = await r.read()
-                if r.status != 200:
-                    w.last_error = f"GET {path}: HTTP {r.status}"
-                    return None
-                return body
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-            w.last_error = f"GET {path}: {type(e).__name__}: {e}"
-            return None
-
     async def _check_health(self, w: Worker) -> bool:
-        body = await self._fetch(w, "/health")
-        if body is None:
+        st = await self.probe.health(w)
+        if st is None:
             return False
         if w.kind == "kvroute":
-            try:
-                st = msgspec.json.decode(body).get("status", "ok")
-            except (msgspec.DecodeError, AttributeError):
-                st = "ok"
             if st == "draining" and w.state is State.HEALTHY:
                 self._set_state(w, State.DRAINING, _SELF_DRAINING)
                 if w.in_index:
@@ -402,13 +226,12 @@ class WorkerPool:
         if not await self._check_health(w):
             return False
         if w.kind == "kvroute":
-            body = await self._fetch(w, "/info")
-            if body is None:
-                return False
             try:
-                info = _info_dec.decode(body)
-            except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                self._refuse(w, f"/info is not valid: {e}", "bad_info")
+                info = await self.probe.info(w)
+            except BadAnswer as e:
+                self._refuse(w, str(e), "bad_info")
+                return False
+            if info is None:
                 return False
             if info.namespace_digest != model.digest_hex:
                 self._refuse(
@@ -419,18 +242,16 @@ class WorkerPool:
                     "namespace_mismatch",
                 )
                 return False
-            w.info = msgspec.to_builtins(info)
+            w.info = info
             w.block_size = info.block_size
             w.block_bytes = info.block_bytes or 0
             w.remote_group = w.cfg.remote_group or info.remote_group
             w.capabilities = set(info.capabilities)
             if w.cfg.events is not None:
                 w.events = w.cfg.events
-            elif info.events and info.events.get("endpoint"):
+            elif info.events is not None and info.events.endpoint:
                 ev = info.events
-                w.events = EventsConfig(
-                    endpoint=ev["endpoint"], replay_endpoint=ev.get("replay_endpoint"), topic=ev.get("topic") or "kv"
-                )
+                w.events = EventsConfig(endpoint=ev.endpoint, replay_endpoint=ev.replay_endpoint, topic=ev.topic or "kv")
             else:
                 w.events = None
             w.view.supports_prefetch = "prefetch" in w.capabilities
@@ -450,7 +271,7 @@ class WorkerPool:
                 "block_size",
             )
             return False
-        w.view.cost = _cost_params(model, w, None, w.cfg.cost)
+        w.view.cost = cost_params(model, w.cfg.cost, (w.block_size, w.block_bytes))
         try:
             self._join(w)
         except (IndexError_, ValueError, OSError) as e:
@@ -475,84 +296,32 @@ class WorkerPool:
 
     async def _poll_load(self, w: Worker) -> bool:
         sent = time.monotonic()
-        if w.kind == "kvroute":
-            body = await self._fetch(w, "/load")
-            if body is None:
-                return False
-            try:
-                rep = _load_dec.decode(body)
-            except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                w.last_error = f"/load: {e}"
-                return False
-            self._apply_load(w, rep)
-        else:
-            body = await self._fetch(w, "/metrics")
-            if body is None:
-                return False
-            try:
-                vl = parse_vllm_metrics(body.decode(errors="replace"))
-            except ValueError as e:
-                w.last_error = f"/metrics: {e}"
-                return False
-            v = w.view
-            v.waiting_requests = vl.waiting_requests
-            v.running_requests = vl.running_requests
-            v.waiting_prefill_tokens = 0
-            if vl.kv_usage is not None:
-                # Its block count comes from cache_config_info; without it, a per-10k scale
-                # (the policies then compare workers by fraction only).
-                cap = vl.gpu_blocks or 10_000
-                v.gpu_capacity_blocks = cap
-                v.gpu_free_blocks = int(round((1.0 - vl.kv_usage) * cap))
-        w.load_t = time.monotonic()
-        w.report_sent_t = sent
-        w.ledger.report_taken(sent)
-        w.ledger.fill_counts(w.view)
+        rep_ = await self.probe.load(w)
+        if rep_ is None:
+            return False
+        w.fleet.on_report(rep_, time.monotonic(), sent)
         return True
-
-    def _apply_load(self, w: Worker, rep: _Load) -> None:
-        v = w.view
-        v.waiting_requests = rep.waiting_requests
-        v.waiting_prefill_tokens = rep.waiting_prefill_tokens
-        v.running_requests = rep.running_requests
-        v.running_prefill_tokens = rep.running_prefill_tokens
-        v.est_queue_s = rep.est_queue_s
-        gpu = rep.blocks.get("GPU")
-        if gpu is not None:
-            v.gpu_free_blocks = gpu.free
-            v.gpu_capacity_blocks = gpu.capacity or (gpu.used + gpu.free)
-        if rep.max_waiting is not None:
-            v.max_waiting = rep.max_waiting
-        if rep.speeds is not None or rep.tiers:
-            _update_cost(v.cost, w, rep)
 
     # ------------------------------------------------------------------ accounting
 
     def refresh_ages(self, workers: Iterable[Worker], now: float) -> None:
         """Before a decision: report ages and the ledger's view at `now` (inflight_loads)."""
         for w in workers:
-            w.view.report_age_s = now - w.load_t if w.load_t else 0.0
-            w.ledger.fill(w.view, now)
+            w.fleet.refresh(now)
 
     def dispatched(self, w: Worker, prefill_tokens: int, kv_tokens: int, est: Estimate | None = None) -> Inflight:
         """Count a dispatch; `est`: the chosen worker's Estimate (its predicted KV load)."""
-        r = Inflight(w, w.ledger.dispatched(time.monotonic(), prefill_tokens, kv_tokens, est))
-        w.ledger.fill_counts(w.view)
-        return r
+        return Inflight(w, w.fleet.dispatched(time.monotonic(), prefill_tokens, kv_tokens, est))
 
     def accepted(self, r: Inflight) -> None:
         """The worker answered 200: reports asked for from now on include the request."""
-        r.worker.ledger.accepted(r.ticket, time.monotonic())
+        r.worker.fleet.accepted(r.ticket, time.monotonic())
 
     def first_token(self, r: Inflight) -> None:
-        w = r.worker
-        w.ledger.first_token(r.ticket, time.monotonic())
-        w.ledger.fill_counts(w.view)
+        r.worker.fleet.first_token(r.ticket, time.monotonic())
 
     def finished(self, r: Inflight) -> None:
-        w = r.worker
-        w.ledger.finished(r.ticket)
-        w.ledger.fill_counts(w.view)
+        r.worker.fleet.finished(r.ticket)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -569,7 +338,7 @@ class WorkerPool:
             self.changed.clear()
             try:
                 await asyncio.wait_for(self.changed.wait(), min(left, 0.25))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     async def close(self) -> None:
@@ -584,61 +353,3 @@ class WorkerPool:
                 pass
         for w in self.workers.values():
             self._leave(w)
-
-
-def _link_map(cfg: CostConfig | None) -> dict[Tier, Link]:
-    if cfg is None:
-        return {}
-    return {_TIERS[k]: Link(v.read_Bps, v.latency_s) for k, v in cfg.links.items()}
-
-
-def _cost_params(model: ModelRuntime, w: Worker | None, rep: _Load | None, over: CostConfig | None) -> CostParams:
-    """Base CostParams: the model's cost defaults, then the worker's overrides.
-
-    `block_size` is the model's index block size (matches are counted in index
-    blocks); `block_bytes` is per index block, scaled from the worker's own."""
-    base = model.cost.merged(over)
-    bs = model.block_size
-    bb = base.block_bytes
-    if w is not None and w.block_bytes and w.block_size:
-        bb = w.block_bytes * bs // w.block_size
-    tps = base.prefill_tokens_per_s
-    if tps is None:
-        tps = _DEFAULT_PREFILL_TPS
-    return CostParams(
-        block_size=bs,
-        block_bytes=bb or bs * 131072,
-        prefill_tokens_per_s=tps,
-        prefill_attn_s_per_token2=base.prefill_attn_s_per_token2 or 0.0,
-        prefill_overhead_s=base.prefill_overhead_s or 0.0,
-        decode_step_s=base.decode_step_s or 0.0,
-        links=_link_map(base),
-    )
-
-
-def _update_cost(c: CostParams, w: Worker, rep: _Load) -> None:
-    """Fold a /load report's speeds and tier links into the worker's CostParams, in place.
-
-    Config overrides (the worker's `cost`) win over reports: an operator's number is a
-    deliberate correction."""
-    over = w.cfg.cost
-    s = rep.speeds
-    if s is not None:
-        if s.prefill_tokens_per_s and not (over and over.prefill_tokens_per_s):
-            c.prefill_tokens_per_s = s.prefill_tokens_per_s
-        if s.prefill_attn_s_per_token2 is not None and not (over and over.prefill_attn_s_per_token2 is not None):
-            c.prefill_attn_s_per_token2 = s.prefill_attn_s_per_token2
-        if s.prefill_overhead_s is not None and not (over and over.prefill_overhead_s is not None):
-            c.prefill_overhead_s = s.prefill_overhead_s
-        if s.decode_step_s is not None and not (over and over.decode_step_s is not None):
-            c.decode_step_s = s.decode_step_s
-    for name, link in rep.tiers.items():
-        t = _TIERS.get(name.upper())
-        if t is None or link.read_Bps <= 0 or (over and name.upper() in over.links):
-            continue
-        cur = c.links.get(t)
-        if cur is None:
-            c.links[t] = Link(link.read_Bps, link.latency_s)
-        else:
-            cur.read_Bps = link.read_Bps
-            cur.latency_s = link.latency_s

@@ -1,21 +1,13 @@
 """The upstream side of a request: one POST to a worker's /v1/completions, read as SSE.
 
-The router always asks for a stream (with usage) even when its client did not: the
-first chunk is the measured TTFT, a worker that dies before it can be replaced by the
-next-best one, and the usage chunk carries the `kv` report calibration needs.
-
-Failure classes (`UpstreamError`):
-- before the first chunk (connect refused/reset, timeout, 5xx, 429, 503): retryable
-  on another worker; a refused connection also marks the worker dead (`fatal`);
-- a 4xx other than 429: the request itself is wrong for this worker (too long for
-  its context): not retried, relayed to the client as a 4xx;
-- after the first chunk: not retryable; the client gets an explicit error.
-Reading stops as soon as the consumer stops (closing the response closes the
-connection, which cancels the request on the worker).
+The router always asks for a stream with usage: the first chunk is the measured TTFT,
+a worker that dies before it can be replaced, and the usage chunk carries the `kv`
+report calibration needs. `UpstreamError` says whether a failure is retryable (before
+the first chunk), fatal for the worker (connection refused) or the client's own 4xx.
+Details: docs/gateway.md.
 """
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -89,7 +81,7 @@ class UpstreamStream:
                         out.append(payload)
                 if out:
                     yield out
-        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
+        except (TimeoutError, aiohttp.ClientError, ConnectionError) as e:
             raise UpstreamError(f"worker {self.worker_id} stream failed: {type(e).__name__}: {e}", False, phase="stream") from None
 
     def close(self) -> None:
@@ -105,13 +97,13 @@ async def open_stream(
     except aiohttp.ClientConnectorError as e:
         refused = isinstance(e.os_error, ConnectionRefusedError) or "refused" in str(e).lower()
         raise UpstreamError(f"worker {worker_id} unreachable: {e}", True, fatal=refused) from None
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+    except (TimeoutError, aiohttp.ClientError, OSError) as e:
         raise UpstreamError(f"worker {worker_id} failed: {type(e).__name__}: {e}", True) from None
     if resp.status == 200:
         return UpstreamStream(resp, worker_id)
     try:
         body = await resp.read()
-    except (aiohttp.ClientError, asyncio.TimeoutError):
+    except (TimeoutError, aiohttp.ClientError):
         body = b""
     finally:
         resp.release()

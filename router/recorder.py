@@ -1,21 +1,9 @@
 """Gateway trace recording in the Mooncake format (opt-in: observability.trace.enabled).
 
-One JSON line per finished request:
-`{"timestamp": ms since recording start, "input_length", "output_length", "hash_ids": [...]}`.
-
-`hash_ids` keep the exact prefix-sharing structure of the traffic without keeping any
-of it: the prompt is cut into `block_tokens`-token blocks (512, as Mooncake's traces),
-each block gets its chained key (kvindex.keys, so equal ids mean equal prefixes up to
-and including that block; the request's scope — tenant and cache salt — enters the
-chain, so two tenants' identical prompts stay distinct as their caches are), the key
-goes through HMAC-SHA256 with the recording salt (so ids cannot be linked to content by
-hashing guesses without the salt), and the digest is mapped to a small integer in order
-of first appearance. A trailing partial block gets its own id (parent key + its tokens),
-as Mooncake counts ceil(input_length / 512) ids. Never text, never token ids.
-
-Lines are written when requests finish, so they are in completion order; a replayer
-sorts by `timestamp` (arrival). The id map is bounded (`max_ids`); past it, recording stops with a warning rather than
-growing without bound. Lines are buffered and flushed every second and on close.
+One JSON line per finished request with `hash_ids` that keep the traffic's exact
+prefix-sharing structure and none of its content: chained block keys (scoped by
+tenant), HMAC'd with the recording salt, numbered in order of first appearance.
+Never text, never token ids. Bounded id map; buffered writes. Details: docs/gateway.md.
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from array import array
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -26,7 +26,7 @@ class ContentPart(msgspec.Struct, forbid_unknown_fields=False):
 
 class Message(msgspec.Struct, forbid_unknown_fields=False):
     role: str
-    content: Union[str, list[ContentPart], None] = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
 
 
@@ -40,7 +40,7 @@ class _Common(msgspec.Struct, forbid_unknown_fields=False, kw_only=True):
     stream_options: StreamOptions | None = None
     max_tokens: int | None = None
     n: int | None = None
-    stop: Union[str, list[str], None] = None
+    stop: str | list[str] | None = None
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
@@ -62,7 +62,7 @@ class ChatRequest(_Common, kw_only=True):
 
 
 class CompletionRequest(_Common, kw_only=True):
-    prompt: Union[str, list[Any]]  # text, token ids, or a batch of one of either
+    prompt: str | list[Any]  # text, token ids, or a batch of one of either
     echo: bool | None = None
     suffix: str | None = None
     best_of: int | None = None

@@ -4,8 +4,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from contextlib import asynccontextmanager
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import uvicorn
 
@@ -76,7 +76,7 @@ async def running_gateway(cfg: Config, *, ready_timeout: float | None = None) ->
         server.should_exit = True
         try:
             await asyncio.wait_for(task, 10)
-        except (asyncio.TimeoutError, Exception):
+        except (TimeoutError, Exception):
             task.cancel()
         await gw.close()
         sock.close()

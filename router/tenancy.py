@@ -1,26 +1,11 @@
 """Tenants: API keys → tenant, its isolation salt, its concurrency cap, the admin token.
 
-Isolation (DESIGN.md §8): the tenant's salt enters the request's namespace, so its
-block keys — the router's and the worker's, through the wire `cache_salt` — differ
-from every other tenant's; one tenant can neither hit nor time another's cache.
-
-Purge and the wire salt. A request's wire salt is `H(tenant salt, request cache_salt)`
-(kvindex.keys.Namespace.wire_salt), and workers purge by exact salt. So a tenant purge
-must name every wire salt the tenant used: the tenant-only one (requests without their
-own `cache_salt`) plus one per distinct request `cache_salt`. The gateway remembers the
-latter per tenant (bounded LRU, `max_salts_per_tenant`); salts used before this process
-started, or evicted from that memory, are not purged — a documented limitation.
-
-Declared shared prefixes (config `shared_prefixes`): their leading full blocks stay
-unsalted — the salt marks the first block after them — and our workers learn that
-through `kv.shared_prefix_blocks`. vLLM workers are salted from block 0: vLLM puts
-`cache_salt` into the first block's extra keys and has no notion of a shared prefix,
-so the router keys (and matches) a vLLM worker's blocks that way too
-(model.KeyPlan.vllm_digests). The cost: on vLLM workers a public system prompt is
-cached once per tenant instead of once; never a cross-tenant hit.
-
-With no tenants configured, auth is off: every request is the `default` tenant with no
-salt (a single-tenant deployment shares its cache across users, as vLLM does).
+The tenant's salt enters the request's namespace, so its block keys (the router's and,
+through the wire `cache_salt`, the worker's) differ from every other tenant's: one
+tenant can neither hit nor time another's cache (DESIGN.md §8). Purge must name every
+wire salt a tenant used, so the gateway remembers them (bounded). Declared shared
+prefixes stay unsalted on our workers; vLLM workers are salted from block 0. With no
+tenants, auth is off. Details: docs/gateway.md.
 """
 from __future__ import annotations
 

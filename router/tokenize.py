@@ -1,32 +1,11 @@
 """Prompt tokenization with the model's own Hugging Face tokenizer and chat template.
 
-Loaded offline from a local folder, exactly as a user's real model folder is laid out
-(tokenizer.json + tokenizer_config.json with its chat template).
-`PreTrainedTokenizerFast.from_pretrained(folder)` is used rather than `AutoTokenizer`
-because AutoTokenizer imports torch whenever torch is installed (measured with
-transformers 5.x), and the gateway must never import torch; every model that ships a
-tokenizer.json loads this way. A folder without tokenizer.json (slow/sentencepiece only)
-falls back to AutoTokenizer.
-
-The prefix-tokenization cache. A multi-turn conversation resends its whole history
-every turn; re-tokenizing 30k tokens of it costs ~25 ms of CPU each time. The chat
-template is rendered to text (cheap), the text is split at added-token boundaries
-(`<|im_start|>`, `<|eot_id|>`, ...) — the Rust tokenizer itself splits there before
-normalization and pre-tokenization, so BPE can never merge across such a boundary — and
-the token ids of each segment are cached in a bounded LRU. Old turns are then dict
-hits; only the new message is encoded. `tests/test_tokenize*.py` proves cached ==
-uncached on many conversations, with the real Qwen and Llama-3 tokenizers too.
-
-Added tokens whose matching depends on normalization or strips whitespace are not used
-as split points (the segment around them is encoded whole, which is still exact).
-Prompts for /v1/completions get the post-processor's special tokens (e.g. Llama's BOS)
-the way `encode(text, add_special_tokens=True)` would; they are learned once from a probe
-and checked, or the cache is bypassed for that path.
-
-Threading: `tokenizers.Tokenizer.encode` holds the GIL; `encode_batch` releases it. Long
-uncached text is encoded with `encode_batch` in a worker thread so the event loop keeps
-serving other requests (see `needs_thread`); short text is encoded inline, where the
-thread handoff would cost more than the encode.
+Loaded offline from a local folder laid out as a real model's (tokenizer.json +
+tokenizer_config.json), with `PreTrainedTokenizerFast` so the gateway never imports
+torch. A conversation resends its history every turn, so rendered text is split at
+added-token boundaries (where BPE cannot merge across) and each segment's ids are
+cached in a bounded LRU: old turns are dict hits. Long uncached text is encoded in a
+worker thread (`encode_batch` releases the GIL). Details: docs/gateway.md.
 """
 from __future__ import annotations
 

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvwire import BlockCounts, LoadReport
+
 _WAITING = "vllm:num_requests_waiting"
 _RUNNING = "vllm:num_requests_running"
 # Renamed across releases: the newest first.
@@ -45,3 +47,15 @@ def parse_vllm_metrics(text: str) -> VllmLoad:
     if usage is not None:
         usage = min(1.0, max(0.0, usage))
     return VllmLoad(int(sums[_WAITING]), int(sums[_RUNNING]), usage, blocks)
+
+
+def vllm_report(v: VllmLoad) -> LoadReport:
+    """A vLLM server's load as a `/load` report. Its block count comes from
+    `cache_config_info`; without it, free blocks are on a per-10k scale (the policies
+    then compare such workers by fraction only)."""
+    blocks: dict[str, BlockCounts] = {}
+    if v.kv_usage is not None:
+        cap = v.gpu_blocks or 10_000
+        free = int(round((1.0 - v.kv_usage) * cap))
+        blocks["GPU"] = BlockCounts(cap - free, free, cap)
+    return LoadReport(waiting_requests=v.waiting_requests, running_requests=v.running_requests, blocks=blocks)

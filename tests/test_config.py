@@ -114,8 +114,32 @@ def test_relative_paths_resolve_against_the_file(tmp_path: Path) -> None:
 def test_unknown_profile_and_policy_fail_clearly() -> None:
     with pytest.raises(ConfigError, match="profile"):
         build_config({"models": [{"id": "m", "tokenizer": TOK, "profile": "no-such-profile"}]}, ROOT, environ={})
-    from router.gateway import Gateway
+    with pytest.raises(ConfigError, match=r"routing: .*unknown routing policy 'fastest'; choose one of: round_robin"):
+        build_config(_base(routing={"policy": "fastest"}), ROOT, environ={})
+    with pytest.raises(ConfigError, match=r"unknown parameter\(s\) 'tie_margn' for policy 'kv_cost'"):
+        build_config(_base(routing={"params": {"tie_margn": 0.1}}), ROOT, environ={})
+    with pytest.raises(ConfigError, match=r"'tie_margin' must be <= 1.0"):
+        build_config(_base(routing={"params": {"tie_margin": 5}}), ROOT, environ={})
 
-    cfg = build_config(_base(routing={"policy": "fastest"}), ROOT, environ={})
-    with pytest.raises(ValueError, match="unknown routing policy"):
-        Gateway(cfg)
+
+def test_env_overrides_add_workers_to_an_empty_list() -> None:
+    """The README's example works on the shipped default (which lists no workers)."""
+    env = {"KVROUTE_WORKERS__0__ID": "w0", "KVROUTE_WORKERS__0__URL": "http://127.0.0.1:9000",
+           "KVROUTE_WORKERS__1__ID": "w1", "KVROUTE_WORKERS__1__URL": "http://127.0.0.1:9001"}
+    cfg = load_config(ROOT / "configs/default.yaml", environ=env)
+    assert [(w.id, w.url) for w in cfg.workers] == [("w0", "http://127.0.0.1:9000"), ("w1", "http://127.0.0.1:9001")]
+    with pytest.raises(ConfigError, match="KVROUTE_WORKERS__2__URL: no list element '2'"):
+        load_config(ROOT / "configs/default.yaml", environ={"KVROUTE_WORKERS__2__URL": "http://127.0.0.1:9"})
+
+
+def test_a_policy_typo_is_one_line_from_the_cli(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    p = tmp_path / "c.yaml"
+    p.write_text(yaml.safe_dump({"models": [{"id": "m", "tokenizer": str(ROOT / TOK)}],
+                                 "routing": {"policy": "kv_cots"}}))
+    r = subprocess.run([sys.executable, "-m", "kvroute.cli", "serve", "--config", str(p)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0 and "unknown routing policy 'kv_cots'" in r.stderr, r.stderr

@@ -23,7 +23,7 @@ PROMPT = list(range(100, 100 + 16 * 20 + 5))  # 20 full blocks + 5 tokens
 def _store(gw: Any, worker_id: str, tokens: list[int], medium: str, blocks: int) -> list[bytes]:
     """Make the index believe `worker_id` holds the first `blocks` blocks of `tokens` in `medium`."""
     rt = gw.models.get(MODEL)
-    keys = rt.hasher.keys(tokens)[:blocks]
+    keys = rt.keys.hasher.keys(tokens)[:blocks]
     ev = BlockStored([digest64(k) for k in keys], None, tokens[: 16 * blocks], 16, medium=medium)
     st = rt.index.apply(worker_id, [ev])
     assert st.stored == blocks
@@ -204,7 +204,7 @@ async def test_dead_worker_leaves_index_and_returns() -> None:
                 break
             await asyncio.sleep(0.02)
         assert gw.pool.workers["a"].state.value == "healthy" and rt.index.has_worker("a")
-        assert not rt.index.match([digest64(k) for k in rt.hasher.keys(PROMPT)[:4]])  # old entries gone
+        assert not rt.index.match([digest64(k) for k in rt.keys.hasher.keys(PROMPT)[:4]])  # old entries gone
 
 
 async def test_prefetch_cancelled_when_client_leaves_before_first_token() -> None:

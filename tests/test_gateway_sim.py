@@ -255,14 +255,17 @@ async def test_prefetch_sent_when_blocks_sit_on_cpu(tmp_path: Path) -> None:
 
 
 def test_kvroute_cli_help_and_exec_wiring() -> None:
-    r = subprocess.run([sys.executable, "-m", "router.cli", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=30)
+    r = subprocess.run([sys.executable, "-m", "kvroute.cli", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=30)
     assert r.returncode == 0 and "serve" in r.stdout and "up" in r.stdout
-    r = subprocess.run([sys.executable, "-m", "router.cli", "sim-cluster", "--workers", "0", "--profile", PROFILE,
+    r = subprocess.run([sys.executable, "-m", "kvroute.cli", "sim-cluster", "--workers", "0", "--profile", PROFILE,
                         "--base-port", "0"], cwd=ROOT, capture_output=True, text=True, timeout=60, env={**os.environ})
     assert r.returncode == 2 and "--workers" in r.stderr  # sim-cluster's own validation answered
-    r = subprocess.run([sys.executable, "-m", "router.cli", "serve", "--config", "/nonexistent.yaml"],
+    r = subprocess.run([sys.executable, "-m", "kvroute.cli", "serve", "--config", "/nonexistent.yaml"],
                        cwd=ROOT, capture_output=True, text=True, timeout=30)
     assert r.returncode == 2 and "config error" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "kvroute.cli", "up", "--workers", "1"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and "--sim" in r.stderr  # no silent fallback to simulated workers
 
 
 async def test_error_classes_against_sim_workers(cluster: list[str]) -> None:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from router.kvsize import (
+from kvroute.kvsize import (
     ModelGeometryError,
     dtype_bits,
     kv_bytes,

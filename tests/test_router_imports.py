@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_router_never_imports_torch_or_workers() -> None:
     code = """
 import sys
-import router.cli, router.app, router.gateway, router.pool, router.proxy, router.server, router.tokenize
+import kvroute.cli, router.app, router.gateway, router.pool, router.proxy, router.server, router.tokenize
 import router.recorder, router.tenancy, router.ingest_adapter, router.config, router.metrics
 from router.config import load_config
 from router.gateway import Gateway

@@ -62,7 +62,7 @@ def test_tenants_are_isolated_and_keys_match_the_workers_computation() -> None:
 
 def test_declared_shared_prefix_stays_shared_across_tenants() -> None:
     rt = _model(shared_prefixes=[{"name": "sys", "messages": [{"role": "system", "content": SYSTEM}]}])
-    sp = rt.shared[0]
+    sp = rt.keys.shared[0]
     assert sp.blocks == len(sp.ids) // 16 and sp.blocks >= 5
     ids = _chat_ids(rt, "tenant question")
     pa, pb = rt.key_plan(ids, "salt-a", None), rt.key_plan(ids, "salt-b", None)
@@ -74,7 +74,7 @@ def test_declared_shared_prefix_stays_shared_across_tenants() -> None:
     other = rt.tokenizer.encode_text(rt.tokenizer.render_chat([{"role": "user", "content": "no system"}]), False)
     assert rt.key_plan(other, "salt-a", None).shared_blocks == 0
     # vLLM workers salt from block 0 (they do not know kv.shared_prefix_blocks)
-    rt.has_vllm_workers = True
+    rt.keys.has_vllm_workers = True
     pv = rt.key_plan(ids, "salt-a", None)
     assert pv.vllm_digests is not None and pv.vllm_digests[0] != pv.digests[0]
 
@@ -98,10 +98,10 @@ def test_recorder_writes_mooncake_lines_without_content(tmp_path: Path) -> None:
     rec = TraceRecorder(path, salt="rec-salt", block_tokens=64)
     base = array("I", range(1, 200))
     longer = array("I", list(base) + [7] * 100)
-    ns = rt.scoped("", "", 0)
+    ns = rt.keys.scoped("", "", 0)
     rec.record(rec._t0 + 0.5, base, ns, 10)
     rec.record(rec._t0 + 1.25, longer, ns, 3)
-    rec.record(rec._t0 + 2.0, base, rt.scoped("tenant-x", "", 0), 1)
+    rec.record(rec._t0 + 2.0, base, rt.keys.scoped("tenant-x", "", 0), 1)
     rec.close()
     lines = [json.loads(x) for x in path.read_text().splitlines()]
     assert [ln["timestamp"] for ln in lines] == [500, 1250, 2000]

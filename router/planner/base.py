@@ -15,6 +15,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
+from kvindex.tiers import Tier
+
 from .calibration import Calibrator
 from .cost import RequestContext, estimate_worker
 from .load import at_cap, queue_seconds
@@ -68,11 +70,11 @@ class PolicyBase:
         self.calibrator = Calibrator()
         self._last_cost: dict[str, CostParams] = {}
 
-    def observe(self, worker_id: str, predicted_ttft: float | None, actual_ttft: float, kv: Mapping | None) -> None:
+    def observe(self, worker_id: str, predicted_ttft: float | None, actual_ttft: float, kv: Mapping[str, object] | None) -> None:
         """Feed the calibrator with what the worker reported (usage.kv) after its first token."""
         self.calibrator.observe(worker_id, self._last_cost.get(worker_id), predicted_ttft, actual_ttft, kv)
 
-    def scales(self, worker_id: str) -> tuple[float, dict | None]:
+    def scales(self, worker_id: str) -> tuple[float, dict[Tier, float] | None]:
         """This worker's calibration (prefill scale, link scales); neutral when off."""
         if not self.calibrate:
             return 1.0, None

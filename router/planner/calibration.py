@@ -1,28 +1,11 @@
 """Online calibration of the cost model from what workers report (usage.kv, docs/wire.md).
 
 Profiles give each worker's speeds up front; reality differs (batching with decodes,
-chunking overheads, a slower disk, a congested network). After each request the
-worker reports `kv: {loaded_tokens: {tier: n}, recomputed_tokens, prefetched_tokens,
-queue_ms, load_ms, prefill_ms, ttft_ms}`; from it the calibrator keeps, per worker,
-two kinds of time multipliers relative to the worker's base CostParams:
-
-* `prefill_scale` = observed prefill time / the wire formula's prediction for the
-  same (new, cached) tokens. Applying it divides the speed and multiplies the
-  attention and overhead coefficients: an effective tokens/s.
-* `link_scales[tier]` = observed load time / `latency + bytes / read_Bps`, taken only
-  from requests that loaded from exactly one tier below GPU and had nothing
-  prefetched (otherwise the time cannot be attributed). An effective bandwidth.
-
-Both are EWMAs in log space (a 2× error and a 0.5× error weigh the same), clamped to
-[min_scale, max_scale]; a sample further than `outlier_ratio` from the current value is
-rejected unless `accept_after` such samples come in a row (a real regime change, e.g.
-a disk that slowed down), and tiny prefills (< min_prefill_tokens, overhead noise) are
-ignored. Predicted-vs-actual TTFT is tracked per worker and overall (running mean,
-std, mean absolute and relative error, plus recent-window quantiles) for the
-gateway's metric.
-
-Not thread-safe (one owner, like the index). Bounded: at most `max_workers` workers'
-state is kept (the oldest entry is dropped first) and a fixed window per worker.
+a slower disk, a congested network). Per worker the calibrator keeps a prefill time
+multiplier and per-tier load time multipliers, as clamped log-space EWMAs with
+outlier rejection, plus predicted-vs-actual TTFT errors for the metrics. Not
+thread-safe (one owner, like the index); bounded in workers and window. Details:
+docs/planner.md.
 """
 from __future__ import annotations
 
@@ -30,6 +13,7 @@ import math
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from kvindex.tiers import Tier
 
@@ -101,7 +85,7 @@ class WorkerCoefficients:
     link_streaks: dict[Tier, int] = field(default_factory=dict)
 
 
-def _num(d: Mapping, key: str) -> float | None:
+def _num(d: Mapping[str, object], key: str) -> float | None:
     v = d.get(key)
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return None
@@ -151,7 +135,7 @@ class Calibrator:
         base: CostParams | None,
         predicted_ttft: float | None,
         actual_ttft: float,
-        kv: Mapping | None,
+        kv: Mapping[str, object] | None,
     ) -> None:
         """One finished prefill. `base`: the CostParams the prediction used (None: errors only)."""
         if predicted_ttft is not None and math.isfinite(predicted_ttft) and math.isfinite(actual_ttft):
@@ -225,7 +209,7 @@ class Calibrator:
         v = self.min_scale if v < self.min_scale else self.max_scale if v > self.max_scale else v
         return v, streak, True
 
-    def _bound(self, d: dict) -> None:
+    def _bound(self, d: dict[str, Any]) -> None:
         while len(d) > self.max_workers:
             del d[next(iter(d))]
 
@@ -273,9 +257,9 @@ class Calibrator:
         acc = self._errors.get(worker_id)
         return acc.stats() if acc else ErrorStats()
 
-    def snapshot(self) -> dict[str, dict]:
+    def snapshot(self) -> dict[str, dict[str, Any]]:
         """Per worker coefficients, for metrics and the admin API (plain types)."""
-        out: dict[str, dict] = {}
+        out: dict[str, dict[str, Any]] = {}
         for wid, co in self._coef.items():
             out[wid] = {
                 "prefill_scale": co.prefill_scale,

@@ -1,55 +1,11 @@
-"""The cost model of DESIGN.md §5: per worker, the estimated time to first token.
+"""The cost model (DESIGN.md §5): per worker, the estimated time to first token.
 
-For a request of N prompt tokens (n full blocks of B tokens) and a worker w:
-
-* `m_t(w)`: the leading blocks of the request w can reach, as tier runs in block
-  order (`PrefixMatch.runs`; a block counts in its fastest tier; REMOTE is already
-  expanded by the index). Blocks beyond w's own match that another worker holds (the
-  longest match among the others, in that holder's tiers) form a PEER extension when
-  w can pull from peers (`supports_peer_pull`, `supports_prefetch` — the pull goes
-  through `/kv/prefetch` with `source_peer` — and a `Tier.PEER` link). A PEER block
-  costs `block_bytes / min(peer link, holder's read link of its tier)`.
-* Only blocks `1..u` with `u = min(n, (N - 1) // B)` can come from cache: engines
-  compute at least the last prompt token (vLLM never serves a full-prompt hit).
-  A tier with no link in `CostParams.links` cannot be loaded: the match stops there.
-* `T_load(k) = Σ_t latency_t + Σ_{j<=k} block_bytes / bandwidth_{tier(j)}`: loading
-  blocks 1..k, latency paid once per tier used (a peer pull: the PEER link's latency
-  once, plus once each holder tier read below GPU).
-* `T_prefill(k)`: the rest recomputed after `c = k·B` cached tokens, with the wire
-  formula `overhead + (N-c)/speed + attn·(N-c)·(c + (N-c)/2)`.
-* `T_ttft(k) = max(T_queue, T_load(k)) + T_prefill(k)` when the worker supports
-  prefetch (every loaded block below GPU is raised while the request waits), else
-  `T_queue + T_load(k) + T_prefill(k)`. `T_queue`: router/planner/load.py.
-
-The cut k (load 1..k, recompute k+1..n) minimises T_ttft. Loading block j instead of
-recomputing it saves `s(j) = B/speed + attn·B²·(j + 1/2)`, which grows with j
-(attention), while loading costs the same `b` per block of one run. Within a run
-(blocks k0+1..e, the tier's latency λ paid with block k0+1), without overlap the step
-`T(k+1) - T(k)` is `λ + b - s(k0)` at k0 and `b - s(k)` after: non-increasing. So if any
-step inside the run is <= 0, every later one is too, and the minimum over [k0, e] is at
-k0 or e: only run ends need evaluating. With prefetch overlap, `max(T_queue, T_load)`
-adds one kink where T_load crosses T_queue; on each side the same argument holds, so
-the two integers around the crossing join the candidates. `best_cut` therefore
-evaluates at most three k per run (no per-block work); tests/test_planner_cost.py
-checks it against brute force over every k, and the step property itself.
-
-Interference (`interference_seconds`): T_ttft prices only the new request's own wait.
-A worker's scheduler (vLLM's, and workers/sim's) serves the running prefills in the
-order they *started*, ahead of anything newly scheduled, and lets a request whose KV
-is still loading (WAITING_FOR_REMOTE_KVS) be overtaken by the requests behind it. So
-if the new request r starts prefilling at `S` (after its queue and its own load; its
-T_queue less the loading requests' own prefill work, which r does not wait for since
-they are not prefilling yet) while a request j already on w is still loading (its
-load lands at `L_j`, `WorkerView.inflight_loads`), r takes the step budget first
-and j, once landed, waits for the rest of r's prefill: j's TTFT grows by
-`S + T_prefill - L_j` when `S < L_j < S + T_prefill`, nothing otherwise (j landed first
-and is ahead of r; requests queued or prefilling are ahead of r anyway: FCFS). As a
-landing predicted just before S is a coin flip that costs j all of r's prefill when
-lost, j counts until `L_j + slack` (`interference_slack_s`, default 50 ms), delayed by
-at most T_prefill. A long prompt
-sent to a worker with a long remote load in flight thus costs that load's request up
-to r's whole prefill. kv_cost ranks by `T_ttft + interference_weight * Σ_j delay_j`
-(the sum of the TTFTs it changes, with weight 1).
+`T_ttft = max(T_queue, T_load(k)) + T_prefill(k)` with prefetch (`T_queue + T_load +
+T_prefill` without), where k is the cut between loading cached blocks (from the tier
+each sits in, or pulled from a peer) and recomputing the rest; `best_cut` evaluates
+only run ends and the prefetch kink, which is exact because the step is monotone
+within a run. `interference_seconds` prices the delay a new prefill imposes on
+requests still loading their KV on that worker. The derivations: docs/planner.md.
 """
 from __future__ import annotations
 
@@ -257,7 +213,7 @@ class RequestContext:
     # The two longest matches among the candidate workers: (blocks, worker_id).
     top: list[tuple[int, str]]
     # PEER segments already priced in this decision, by (holder, start, end, link, scale).
-    _peer_memo: dict[tuple, list[Segment]] = field(default_factory=dict)
+    _peer_memo: dict[tuple[str, int, int, float, float, int, float], list[Segment]] = field(default_factory=dict)
 
     @classmethod
     def build(cls, req: RouteRequest, workers: Sequence[WorkerView]) -> RequestContext:
@@ -384,7 +340,7 @@ def estimate_worker(
     if peer and overlap and w.supports_peer_pull and ctx.top:
         pl = links.get(_PEER)
         holder = ctx.peer_for(wid, own) if pl is not None and pl.read_Bps > 0.0 else None
-        if holder is not None:
+        if holder is not None and pl is not None:
             hid, hblocks = holder
             matched[_PEER] = hblocks - own
             if not stopped and reach == own and reach < u:

@@ -1,19 +1,11 @@
-"""The router's own in-flight accounting for one worker, shared by the gateway and the simulator.
+"""The router's own in-flight accounting for one worker, shared by gateway and simulator.
 
-Load reports lag, so the router counts what it dispatched itself (DESIGN.md §5;
-router/planner/load.py reads the result): `inflight_requests` (dispatched, not
-finished), `inflight_prefill_tokens` (dispatched, no first token yet: the chosen
-Estimate's `recompute_tokens`, or the prompt), `active_kv_tokens` (prompt + max_tokens
-of what is in flight), and the same counts restricted to what was dispatched after
-the last load report was taken (`inflight_since_report_*`), which the planner adds to
-the aged report. A dispatch whose chosen Estimate loads KV from below GPU
-(`t_load_total > 0`) also records when its prefill is predicted to start
-(`now + t_queue + t_load`) and its `t_prefill`; until its first token, and at most
-`LOADS_KEPT_S` past that time, it is listed in `inflight_loads` for the interference
-term of kv_cost/oracle (cost.interference_seconds).
-
-Pure bookkeeping (no clock, no I/O): callers pass `now`, so router/pool.py (monotonic
-time) and loadtest/router_model.py (simulated time) share exactly one definition.
+Load reports lag, so the router counts what it dispatched itself: requests, their
+prefill tokens until the first token, their KV tokens, the same restricted to what
+was dispatched after the last report, and the requests whose KV is predicted to be
+still loading (for the interference term). Pure bookkeeping: callers pass `now`, so
+the gateway (monotonic time) and the simulator (simulated time) share one
+definition. Details: docs/planner.md.
 """
 from __future__ import annotations
 

@@ -1,47 +1,19 @@
 """`kv_cost`: route to the lowest estimated time to first token (DESIGN.md §5).
 
-Per worker the cost model (router/planner/cost.py) gives T_queue, the cut between
-loading and recomputing, T_load per tier with prefetch overlap, and T_prefill. Then:
-
-1. Workers at their `max_waiting` cap (or with unusable cost params) are out.
-2. Bounded load against herding: a worker with outstanding requests `L` is
-   ineligible when `L + 1 > ceil((1 + balance_eps) * (total + 1) / n) + balance_slack`
-   (total over the n open workers; Mirrokni et al.'s bounded loads, plus slack). It
-   never excludes all: the least loaded has `L <= floor(total / n)`, and
-   `floor(total / n) + 1 <= ceil((total + 1) / n)`. Estimates can be wrong (stale reports, other routers); this caps how far a
-   hot prefix can pile onto one worker meanwhile.
-3. The argmin of the score `T_ttft + interference_weight * T_interference`, where
-   T_interference is the delay this request's prefill would add to requests already
-   loading their KV on that worker (cost.py's module doc: the engine lets a newcomer's
-   prefill run ahead of a request whose load has not landed). Without it, a long
-   prompt lands on a worker whose long remote load is in flight, and that request
-   then waits for the whole new prefill (the Mooncake p99 tail). Among workers within
-   `tie_margin` (relative) + `tie_abs_s` of the best score, the one with the fewest
-   outstanding requests, then the shortest queue. `predicted_ttft` stays T_ttft.
-4. Shedding: with `max_ttft_s` set, when no open worker's predicted TTFT meets it the
-   request is shed (worker_id None, reason "shed_slo", `retry_after_s` ≈ how much
-   too slow the best worker is); a worker excluded only by the bounded-load guard
-   that does meet it is taken instead ("slo_over_balance").
-
-Reasons (fixed labels): min_ttft, tie_less_load, slo_over_balance, shed_slo,
-shed_capped (no open worker), no_workers. The chosen worker is asked to prefetch
-blocks [0, k) when some of them sit below GPU (via `prefetch_from_peer` for PEER).
-
-Pruning (why a decision over 64 workers stays well under a millisecond): every worker
-first gets a cheap lower bound on its TTFT (`cost.ttft_lower_bound`: queue + prefill
-after the most blocks it could reuse). Full estimates are computed in bound order and
-stop once the next bound exceeds both the tie window of the best so far and the
-second best (scores are >= T_ttft >= the bound, so the interference term keeps
-pruning exact): no worker left unevaluated could win, tie, or be the retry target, so
-the decision is exactly the one full evaluation gives (a test checks this). Hence,
-by default `Decision.estimates` lists the evaluated contenders only and `ranked` is
-exact for them, the rest following in bound order; `all_estimates=True` (what
-`explain` uses) evaluates every worker.
+Workers at their cap are out; a bounded-load guard keeps a hot prefix from piling
+onto one worker while estimates are stale; the argmin of `T_ttft + interference`
+wins, near-ties going to the less loaded worker; with `max_ttft_s` set, a request no
+worker can serve in time is shed. Workers are evaluated in the order of a cheap lower
+bound and pruning stops when none left could win, tie or be the retry target, so a
+decision over 64 workers stays well under a millisecond and equals the full
+evaluation. Reasons (fixed labels): min_ttft, tie_less_load, slo_over_balance,
+shed_slo, shed_capped, no_workers. Details: docs/planner.md.
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import ClassVar
 
 from kvindex.tiers import Tier
@@ -52,13 +24,32 @@ from .load import at_cap, outstanding_requests
 from .types import Decision, Estimate, RouteRequest, WorkerView
 
 
-def _by_ttft(e: Estimate) -> float:
-    return e.t_ttft
+LinkScales = dict[Tier, float]
 
 
 def _by_score(e: Estimate) -> float:
     s = e.score
     return e.t_ttft if s is None else s
+
+
+@dataclass(slots=True)
+class _Row:
+    """An open worker before its full estimate: the cheap bound orders the evaluation."""
+
+    bound: float
+    view: WorkerView
+    load: int
+    prefill_scale: float
+    link_scales: LinkScales | None
+
+
+@dataclass(slots=True)
+class _Split:
+    """The bounded-load guard's verdict: `pool` may win, `held` only serve under the SLO."""
+
+    pool: list[_Row]
+    held: list[_Row]
+    limit: float
 
 
 class KVCostPolicy(PolicyBase):
@@ -95,9 +86,43 @@ class KVCostPolicy(PolicyBase):
         self.min_prefetch_blocks = check_int("min_prefetch_blocks", min_prefetch_blocks, lo=1)
         self.all_estimates = check_bool("all_estimates", all_estimates)
 
-    def _estimate(self, ctx: RequestContext, w: WorkerView, ps: float, ls, load: float) -> Estimate:
-        e = estimate_worker(ctx, w, self.prefetch, self.peer_pull, self.exact_queue, ps, ls)
-        e.load = load
+    def choose(self, req: RouteRequest, workers: Sequence[WorkerView]) -> Decision:
+        if not workers:
+            return self._shed_capped(workers)
+        ctx = RequestContext.build(req, workers)
+        rows, closed = self._rows(ctx, workers)
+        self._bound_last()
+        if not rows:
+            d = self._shed_capped(workers)
+            d.estimates = closed
+            return d
+        split = self._balance(rows)
+        pool, n_eval = self._evaluate_pool(ctx, split.pool)
+        best = self._best(pool)
+        held = self._evaluate_held(ctx, split, best)
+        estimates = pool + held + closed
+        if self.all_estimates:
+            order = {w.worker_id: i for i, w in enumerate(workers)}
+            estimates.sort(key=lambda e: order[e.worker_id])
+        slo = self.max_ttft_s
+        if slo is not None and best.t_ttft > slo:
+            fits = [e for e in held if e.t_ttft <= slo]
+            if not fits:
+                return Decision(None, self.name, "shed_slo", predicted_ttft=best.t_ttft, estimates=estimates,
+                                retry_after_s=clamp_retry(best.t_ttft - slo))
+            chosen, reason = min(fits, key=_by_score), "slo_over_balance"
+        else:
+            chosen = self._tie_break(pool, best)
+            reason = "min_ttft" if chosen is best else "tie_less_load"
+        return self._decision(chosen, reason, estimates, self._ranked(chosen, pool, split, n_eval, held))
+
+    # ------------------------------------------------------------------ steps
+
+    def _estimate(self, ctx: RequestContext, r: _Row) -> Estimate:
+        """The full estimate, scored with the interference this request would cause."""
+        w = r.view
+        e = estimate_worker(ctx, w, self.prefetch, self.peer_pull, self.exact_queue, r.prefill_scale, r.link_scales)
+        e.load = r.load
         loads = w.inflight_loads
         if loads and self.interference_weight > 0.0 and e.eligible:
             overlap = self.prefetch and w.supports_prefetch
@@ -110,63 +135,60 @@ class KVCostPolicy(PolicyBase):
             e.score = e.t_ttft
         return e
 
-    def choose(self, req: RouteRequest, workers: Sequence[WorkerView]) -> Decision:
-        if not workers:
-            return self._shed_capped(workers)
-        full = self.all_estimates
-        ctx = RequestContext.build(req, workers)
+    def _rows(self, ctx: RequestContext, workers: Sequence[WorkerView]) -> tuple[list[_Row], list[Estimate]]:
+        """Open workers with their bounds; the closed ones (at their cap, unusable costs)
+        estimated only when every estimate is wanted."""
         coef = self.calibrator.factors if self.calibrate and self.calibrator.active else None
-        last = self._last_cost
-        prefetch, peer, exact = self.prefetch, self.peer_pull, self.exact_queue
-        # (bound, worker, load, prefill scale, link scales) of each open worker
-        open_: list[tuple[float, WorkerView, int, float, object]] = []
-        out: list[Estimate] = []  # estimates of closed workers (full mode only)
+        rows: list[_Row] = []
+        closed: list[Estimate] = []
         for w in workers:
             ps, ls = coef(w.worker_id) if coef else (1.0, None)
-            last[w.worker_id] = w.cost
-            load = outstanding_requests(w)
-            lb = ttft_lower_bound(ctx, w, prefetch, peer, exact, ps)
-            if lb == INF or (w.max_waiting is not None and at_cap(w)):
-                if full:
-                    e = self._estimate(ctx, w, ps, ls, load)
-                    if e.eligible:
-                        e.eligible = False
-                        e.note = f"at max_waiting={w.max_waiting}" + (f"; {e.note}" if e.note else "")
-                    out.append(e)
-                continue
-            open_.append((lb, w, load, ps, ls))
-        self._bound_last()
-        if not open_:
-            d = self._shed_capped(workers)
-            d.estimates = out
-            return d
-        held_rows = []
-        if self.balance_eps is not None and len(open_) > 1:
-            total = sum(r[2] for r in open_) + 1
-            limit = math.ceil((1.0 + self.balance_eps) * total / len(open_)) + self.balance_slack
-            pool_rows = []
-            for r in open_:
-                (held_rows if r[2] + 1 > limit else pool_rows).append(r)
-            if not pool_rows:  # cannot happen with integer loads (see the module doc)
-                pool_rows, held_rows = held_rows, []
+            self._last_cost[w.worker_id] = w.cost
+            r = _Row(0.0, w, outstanding_requests(w), ps, ls)
+            r.bound = ttft_lower_bound(ctx, w, self.prefetch, self.peer_pull, self.exact_queue, ps)
+            if r.bound != INF and not (w.max_waiting is not None and at_cap(w)):
+                rows.append(r)
+            elif self.all_estimates:
+                closed.append(self._closed_estimate(ctx, r))
+        return rows, closed
+
+    def _closed_estimate(self, ctx: RequestContext, r: _Row) -> Estimate:
+        e = self._estimate(ctx, r)
+        if e.eligible:
+            e.eligible = False
+            e.note = f"at max_waiting={r.view.max_waiting}" + (f"; {e.note}" if e.note else "")
+        return e
+
+    def _balance(self, rows: list[_Row]) -> _Split:
+        """Bounded load (module doc, step 2); the pool is never empty."""
+        if self.balance_eps is None or len(rows) < 2:
+            split = _Split(rows, [], INF)
         else:
-            limit = INF
-            pool_rows = open_
-        pool_rows.sort(key=lambda r: r[0])
+            total = sum(r.load for r in rows) + 1
+            limit = math.ceil((1.0 + self.balance_eps) * total / len(rows)) + self.balance_slack
+            split = _Split([r for r in rows if r.load + 1 <= limit], [r for r in rows if r.load + 1 > limit], limit)
+            if not split.pool:  # cannot happen with integer loads (see the module doc)
+                split = _Split(split.held, [], limit)
+        split.pool.sort(key=lambda r: r.bound)
+        split.held.sort(key=lambda r: r.bound)
+        return split
+
+    def _evaluate_pool(self, ctx: RequestContext, rows: list[_Row]) -> tuple[list[Estimate], int]:
+        """Full estimates in bound order, as far as a worker could still win, tie, be the
+        retry target or meet the SLO (the pruning of the module doc)."""
         margin, tie_abs = 1.0 + self.tie_margin, self.tie_abs_s
-        pool: list[Estimate] = []
-        best_t = second_t = INF
-        n_eval = 0
         slo = self.max_ttft_s
         # With an SLO, a worker whose own TTFT meets it must be found even when a
         # better-scored one (interference) misses it: keep evaluating while none meets it.
         slo_open = slo if slo is not None else -INF
-        for r in pool_rows:
-            if not full and r[0] > best_t * margin + tie_abs and r[0] >= second_t and r[0] > slo_open:
+        pool: list[Estimate] = []
+        best_t = second_t = INF
+        for r in rows:
+            if not self.all_estimates and r.bound > best_t * margin + tie_abs and r.bound >= second_t \
+                    and r.bound > slo_open:
                 break
-            e = self._estimate(ctx, r[1], r[3], r[4], r[2])
+            e = self._estimate(ctx, r)
             pool.append(e)
-            n_eval += 1
             t = _by_score(e)
             if t < best_t:
                 best_t, second_t = t, best_t
@@ -174,64 +196,65 @@ class KVCostPolicy(PolicyBase):
                 second_t = t
             if slo is not None and e.t_ttft <= slo:
                 slo_open = -INF
+        return pool, len(pool)
+
+    def _best(self, pool: list[Estimate]) -> Estimate:
+        """The best score; with an SLO, the best score among those meeting it, if any."""
         best = min(pool, key=_by_score)
+        slo = self.max_ttft_s
         if slo is not None and best.t_ttft > slo:
             meets = [e for e in pool if e.t_ttft <= slo]
             if meets:
                 best = min(meets, key=_by_score)
-        # Held workers are evaluated when they may serve under the SLO, or be the retry
-        # target (a pool of one): again in bound order, as far as they can matter.
-        held: list[Estimate] = []
-        held_rows.sort(key=lambda r: r[0])
+        return best
+
+    def _evaluate_held(self, ctx: RequestContext, split: _Split, best: Estimate) -> list[Estimate]:
+        """Held workers, evaluated when they may serve under the SLO or be the retry target
+        (a pool of one): again in bound order, as far as they can matter."""
+        slo = self.max_ttft_s
         slo_reach = slo if slo is not None and best.t_ttft > slo else -INF
-        best_held = INF if len(pool_rows) == 1 else -INF
-        for r in held_rows:
-            if not full and r[0] > slo_reach and r[0] >= best_held:
+        best_held = INF if len(split.pool) == 1 else -INF
+        held: list[Estimate] = []
+        for r in split.held:
+            if not self.all_estimates and r.bound > slo_reach and r.bound >= best_held:
                 break
-            e = self._estimate(ctx, r[1], r[3], r[4], r[2])
+            e = self._estimate(ctx, r)
             e.eligible = False
-            e.note = f"bounded load: {r[2]:g} outstanding > {limit - 1:.3g}" + (f"; {e.note}" if e.note else "")
+            e.note = f"bounded load: {r.load:g} outstanding > {split.limit - 1:.3g}" + (f"; {e.note}" if e.note else "")
             held.append(e)
-            if _by_score(e) < best_held:
-                best_held = _by_score(e)
-        estimates = pool + held + out
-        if full:
-            order = {w.worker_id: i for i, w in enumerate(workers)}
-            estimates.sort(key=lambda e: order[e.worker_id])
-        reason = "min_ttft"
-        if slo is not None and best.t_ttft > slo:
-            fits = [e for e in held if e.t_ttft <= slo]
-            if not fits:
-                return Decision(
-                    None,
-                    self.name,
-                    "shed_slo",
-                    predicted_ttft=best.t_ttft,
-                    estimates=estimates,
-                    retry_after_s=clamp_retry(best.t_ttft - slo),
-                )
-            chosen = min(fits, key=_by_score)
-            reason = "slo_over_balance"
-        else:
-            bound = _by_score(best) * margin + tie_abs
-            chosen = best
-            for e in pool:
-                if slo is not None and e.t_ttft > slo:
-                    continue
-                if _by_score(e) <= bound and (e.load, e.t_queue, _by_score(e)) < (
-                    chosen.load, chosen.t_queue, _by_score(chosen)
-                ):
-                    chosen = e
-            if chosen is not best:
-                reason = "tie_less_load"
-        pool.sort(key=_by_score)
-        held.sort(key=_by_score)
+            best_held = min(best_held, _by_score(e))
+        return held
+
+    def _tie_break(self, pool: list[Estimate], best: Estimate) -> Estimate:
+        """Within the tie window of the best score: fewest outstanding, then shortest queue."""
+        slo = self.max_ttft_s
+        bound = _by_score(best) * (1.0 + self.tie_margin) + self.tie_abs_s
+        chosen = best
+        for e in pool:
+            if slo is not None and e.t_ttft > slo:
+                continue
+            if _by_score(e) <= bound and (e.load, e.t_queue, _by_score(e)) < (
+                chosen.load, chosen.t_queue, _by_score(chosen)
+            ):
+                chosen = e
+        return chosen
+
+    @staticmethod
+    def _ranked(chosen: Estimate, pool: list[Estimate], split: _Split, n_eval: int, held: list[Estimate]) -> list[str]:
+        """Fallback order for retries: evaluated pool by score, the unevaluated pool in
+        bound order, then the held workers likewise."""
+        pool = sorted(pool, key=_by_score)
+        held = sorted(held, key=_by_score)
         ranked = [chosen.worker_id]
         ranked += [e.worker_id for e in pool if e is not chosen]
-        ranked += [r[1].worker_id for r in pool_rows[n_eval:]]
+        ranked += [r.view.worker_id for r in split.pool[n_eval:]]
         seen_held = {e.worker_id for e in held}
         ranked += [e.worker_id for e in held if e is not chosen]
-        ranked += [r[1].worker_id for r in held_rows if r[1].worker_id not in seen_held]
+        ranked += [r.view.worker_id for r in split.held if r.view.worker_id not in seen_held]
+        return ranked
+
+    def _decision(self, chosen: Estimate, reason: str, estimates: list[Estimate], ranked: list[str]) -> Decision:
+        """The pick, asking it to raise [0, k) toward GPU when some of that sits below."""
         below = sum(chosen.prefetch_blocks.values())
         src = chosen.peer_source if Tier.PEER in chosen.prefetch_blocks else None
         pf = chosen.load_blocks if below and (below >= self.min_prefetch_blocks or src) else 0

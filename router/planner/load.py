@@ -1,33 +1,10 @@
-"""How busy a worker is: the queue-wait estimate `T_queue` and the request counts guards use.
+"""How busy a worker is: the queue-wait estimate `T_queue` and the counts guards use.
 
-Load reports lag (they are polled), so every figure here joins the worker's last
-report with the router's own in-flight accounting since (WorkerView). Two cases:
-
-* The gateway tracks what it dispatched *after* the report was taken
-  (`inflight_since_report_*` set): the report cannot know those, so they simply add.
-* It does not (None): `inflight_*` counts everything dispatched and not yet done,
-  which overlaps with what the report already holds (requests dispatched before the
-  report sit in both). Adding would double count, so the larger of the two is used:
-  it is exact when this router is the worker's only client (its in-flight set then
-  contains the whole queue) and never counts a request twice.
-
-T_queue formula (seconds):
-
-    report   = est_queue_s                       if the worker gave one (> 0)
-             = pending(waiting + running_prefill tokens, waiting_requests)   otherwise
-    aged     = max(0, report - report_age_s)     (the worker drained its queue meanwhile)
-    T_queue  = aged + pending(since-report tokens, since-report requests)    (precise case)
-             = max(aged, pending(inflight_prefill_tokens))                    (overlap case)
-    pending(P, n) = n * overhead + P / prefill_tokens_per_s + attn * P * (P / n) / 2
-
-`pending` prices P queued prompt tokens as n equal prompts computed from scratch
-(the router does not know what of them hits the worker's cache; the gateway should
-count the recompute tokens its policy predicted as in-flight tokens, not prompt
-tokens). Decode steps interleaved with those prefills are not modelled here; the
-calibrator's prefill scale absorbs their average effect.
-
-`exact=True` (the oracle, fed the simulator's true state) trusts `est_queue_s` as
-is: no ageing, no in-flight guesses.
+Load reports lag (they are polled), so every figure joins the worker's last report,
+aged by its age, with the router's own in-flight accounting since; without a
+since-report split the larger of the two is used, which never counts a request
+twice. The formulas: docs/planner.md. `exact=True` (the oracle, fed the simulator's
+true state) trusts `est_queue_s` as is.
 """
 from __future__ import annotations
 

@@ -19,7 +19,6 @@ from .base import PolicyBase, check_int, check_number
 from .load import outstanding_requests
 from .types import Decision, RouteRequest, WorkerView
 
-
 _M64 = (1 << 64) - 1
 
 

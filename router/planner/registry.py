@@ -39,7 +39,7 @@ def policy_params(name: str) -> dict[str, object]:
 
 def _keyword_params(cls: type) -> dict[str, object]:
     """Keyword-only parameters of `cls.__init__`, plus its parent's when it forwards `**params`."""
-    params = inspect.signature(cls.__init__).parameters.values()
+    params = inspect.signature(cls).parameters.values()
     out: dict[str, object] = {}
     if any(p.kind is p.VAR_KEYWORD for p in params):
         out.update(_keyword_params(cls.__mro__[1]))
@@ -64,4 +64,5 @@ def make_policy(name: str, **params: object) -> Policy:
             f"unknown parameter(s) {', '.join(map(repr, unknown))} for policy {name!r}; "
             f"valid: {', '.join(known) or '(none)'}"
         )
-    return cls(**params)
+    policy: Policy = cls(**params)
+    return policy

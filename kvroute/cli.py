@@ -1,19 +1,19 @@
 """`kvroute`: the one entry point (DESIGN.md §4.5).
 
     kvroute serve --config FILE            the gateway, workers from the config
-    kvroute up [--workers N] [--sim] [--profile NAME] [--config FILE] [--port P]
+    kvroute up --sim [--workers N] [--profile NAME] [--config FILE] [--port P]
                                            gateway on 127.0.0.1:8000 + N local simulated workers
-    kvroute sim-cluster ...                exec `python -m workers.cli sim-cluster ...`
-    kvroute loadtest ...                   exec `python -m loadtest.cli ...`
-    kvroute kv-size ...                    KV bytes per token / block / request (router.kvsize)
+    kvroute sim-cluster ...                N simulated workers in one process (workers.cli)
+    kvroute loadtest ...                   the load-test harness (loadtest.cli)
+    kvroute kv-size ...                    KV bytes per token / block / request (kvroute.kvsize)
 
-The router never imports `workers` or `loadtest`: their commands replace this process
-(os.execv) or run as a child process, and meet the gateway on the wire only.
+Each command imports only its own part: the gateway process (`serve`, `up`) never
+imports `workers`, `loadtest` or torch; workers run as a child process and meet the
+gateway on the wire only.
 """
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import subprocess
 import sys
@@ -26,17 +26,8 @@ REPO = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO / "configs" / "default.yaml"
 
 
-def _exec_module(module: str, args: list[str]) -> int:
-    """Replace this process with `python -m module args...` (no import happens here)."""
-    argv = [sys.executable, "-m", module, *args]
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execv(sys.executable, argv)
-    return 127  # pragma: no cover - execv does not return
-
-
 def _load(path: str) -> Any:
-    from .config import ConfigError, load_config
+    from router.config import ConfigError, load_config
 
     try:
         return load_config(path)
@@ -46,7 +37,7 @@ def _load(path: str) -> Any:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
-    from .server import serve
+    from router.server import serve
 
     cfg = _load(a.config)
     if a.host:
@@ -83,11 +74,13 @@ def _relay(stream: Any, prefix: str) -> None:
 
 
 def cmd_up(a: argparse.Namespace) -> int:
-    from .config import ConfigError, WorkerConfig, read_profile
-    from .server import serve
+    from router.config import ConfigError, ModelConfig, WorkerConfig, apply_profiles, read_profile
+    from router.server import serve
 
     if not a.sim:
-        print("kvroute up: the real-engine worker is not available yet; starting simulated workers (--sim)", file=sys.stderr)
+        print("kvroute up: this build has no real-engine worker yet; run `kvroute up --sim` for simulated workers",
+              file=sys.stderr)
+        return 2
     cfg = _load(a.config)
     m = cfg.models[0]
     if a.profile:
@@ -97,18 +90,14 @@ def cmd_up(a: argparse.Namespace) -> int:
             print(f"kvroute up: {e}", file=sys.stderr)
             return 2
         # The gateway's model must be the profile's: same id, same namespace digest as /info.
-        from .config import ModelConfig
-
         m = ModelConfig(
             id=prof["model"],
             served_names=[n for n in prof.get("served_model_names", []) if n != prof["model"]],
             tokenizer=m.tokenizer,
             profile=a.profile,
         )
-        from .config import _apply_profiles
-
         cfg.models = [m]
-        _apply_profiles(cfg, REPO)
+        apply_profiles(cfg, REPO)
         profile = a.profile
     else:
         profile = m.profile or "h200-llama3.1-8b"
@@ -163,9 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default=None)
     s.add_argument("--port", type=int, default=None)
     s.set_defaults(fn=cmd_serve)
-    u = sub.add_parser("up", help="gateway on 127.0.0.1:8000 + N local simulated workers")
+    u = sub.add_parser("up", help="gateway on 127.0.0.1:8000 + N local workers")
     u.add_argument("--workers", type=int, default=4)
-    u.add_argument("--sim", action="store_true", help="simulated workers (the default while no real engine exists)")
+    u.add_argument("--sim", action="store_true", help="simulated workers (required: this build has no real engine)")
     u.add_argument("--config", default=str(DEFAULT_CONFIG))
     u.add_argument("--profile", default=None, help="simulated worker profile (configs/profiles/NAME.yaml)")
     u.add_argument("--host", default="127.0.0.1")
@@ -173,28 +162,42 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--base-port", type=int, default=0, help="first worker port (default 0: any free ports)")
     u.add_argument("--timeout", type=float, default=60.0)
     u.set_defaults(fn=cmd_up)
-    for name, module in (("sim-cluster", "workers.cli"), ("loadtest", "loadtest.cli")):
-        p = sub.add_parser(name, help=f"exec python -m {module} {name if name == 'sim-cluster' else ''} ...", add_help=False)
-        p.set_defaults(module=module)
-    sub.add_parser("kv-size", help="KV bytes per token / block / request", add_help=False)
+    sub.add_parser("sim-cluster", help="N simulated workers in one process (see: kvroute sim-cluster --help)",
+                   add_help=False)
+    sub.add_parser("loadtest", help="replay traces, simulate policies, run scenarios (kvroute loadtest --help)",
+                   add_help=False)
+    sub.add_parser("kv-size", help="KV bytes per token / block / request (kvroute kv-size --help)", add_help=False)
     return ap
+
+
+def _sim_cluster(args: list[str]) -> int:
+    from workers.cli import main as workers_main
+
+    return workers_main(args)
+
+
+def _loadtest(args: list[str]) -> int:
+    from loadtest.cli import main as loadtest_main
+
+    return loadtest_main(args)
+
+
+def _kv_size(args: list[str]) -> int:
+    from .kvsize import main as kvsize_main
+
+    return kvsize_main(args)
+
+
+# Subcommands whose own parser takes every argument after their name.
+_DELEGATED = {"sim-cluster": lambda a: _sim_cluster(["sim-cluster", *a]), "loadtest": _loadtest, "kv-size": _kv_size}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if args and args[0] == "sim-cluster":
-        return _exec_module("workers.cli", args)
-    if args and args[0] == "loadtest":
-        return _exec_module("loadtest.cli", args[1:])
-    if args and args[0] == "kv-size":
-        try:
-            from .kvsize import main as kvsize_main
-        except ModuleNotFoundError as e:
-            print(f"kvroute kv-size: not available in this checkout ({e})", file=sys.stderr)
-            return 2
-        return kvsize_main(args[1:])
+    if args and args[0] in _DELEGATED:
+        return int(_DELEGATED[args[0]](args[1:]))
     a = build_parser().parse_args(args)
-    return a.fn(a)
+    return int(a.fn(a))
 
 
 if __name__ == "__main__":

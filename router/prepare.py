@@ -1,0 +1,150 @@
+"""Turning a client's body into a routable request: validate, tokenize, check limits, key.
+
+Everything here happens before a worker is chosen, so every refusal is a 4xx that
+costs no worker anything. The gateway's own tokenization serves block keys and limits
+only; what reaches the worker is the token ids computed here.
+"""
+from __future__ import annotations
+
+import os
+import random
+import time
+from array import array
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .config import LimitsConfig
+from .errors import bad_request, model_not_found
+from .keyplan import KeyPlan
+from .metrics import GatewayMetrics
+from .model import ModelRuntime, ModelTable
+from .schema import (
+    ChatRequest,
+    CompletionRequest,
+    decode_chat,
+    decode_completion,
+    requested_max_tokens,
+    validate_chat,
+    validate_completion,
+)
+from .tenancy import Tenancy, Tenant
+from .tokenize import Tokenization, TokenizerError
+
+# OpenAI sampling fields our workers implement, forwarded as given.
+SAMPLING_FIELDS = ("temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty", "ignore_eos")
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A validated, tokenized, keyed request, ready to route."""
+
+    rid: str
+    chat: bool
+    tenant: Tenant
+    model: ModelRuntime
+    model_name: str  # as the client asked
+    ids: array[int]
+    plan: KeyPlan
+    max_tokens: int
+    stream: bool
+    include_usage: bool
+    sampling: dict[str, Any]
+    cache_salt: str | None
+    t_arrival: float
+    created: int
+    keys_s: float = 0.0  # seconds spent computing the block keys (part of the routing decision)
+
+
+class Preparer:
+    def __init__(
+        self, limits: LimitsConfig, models: ModelTable, tenancy: Tenancy, tokenization: Tokenization,
+        metrics: GatewayMetrics,
+    ) -> None:
+        self.limits = limits
+        self.models = models
+        self.tenancy = tenancy
+        self.tokenization = tokenization
+        self.metrics = metrics
+        # request ids: unique, not secret; seeded once so a request costs no getrandom syscall
+        self._rid_rng = random.Random(os.urandom(16))
+
+    async def prepare(
+        self, chat: bool, body: bytes, headers: Mapping[str, str], tenant: Tenant | None = None
+    ) -> Prepared:
+        t0 = time.monotonic()
+        if tenant is None:
+            tenant = self.tenancy.authenticate(headers)
+        req, model, prompt = self._decode(chat, body)
+        ids = await self._tokenize(chat, model, prompt)
+        n = len(ids)
+        mt = self._check_lengths(chat, req, model, n)
+        tk = time.perf_counter()
+        plan = model.key_plan(ids, tenant.salt, req.cache_salt)
+        keys_s = time.perf_counter() - tk
+        sampling = {k: v for k in SAMPLING_FIELDS if (v := getattr(req, k)) is not None}
+        include_usage = bool(req.stream and req.stream_options is not None and req.stream_options.include_usage)
+        rid = ("chatcmpl-" if chat else "cmpl-") + "%024x" % self._rid_rng.getrandbits(96)
+        return Prepared(
+            rid, chat, tenant, model, req.model, ids, plan, mt, req.stream, include_usage, sampling,
+            req.cache_salt, t0, int(time.time()), keys_s,
+        )
+
+    def _decode(
+        self, chat: bool, body: bytes
+    ) -> tuple[ChatRequest | CompletionRequest, ModelRuntime, Any]:
+        """The request struct, its model, and what to tokenize (messages, text or ids)."""
+        lim = self.limits
+        if chat:
+            creq = decode_chat(body)
+            model = self.models.get(creq.model)
+            msgs = validate_chat(creq, lim.max_stop_sequences, lim.max_messages)
+            if model is None:
+                raise model_not_found(creq.model)
+            return creq, model, msgs
+        req = decode_completion(body)
+        model = self.models.get(req.model)
+        if model is None:
+            raise model_not_found(req.model)
+        return req, model, validate_completion(req, lim.max_stop_sequences, model.tokenizer.vocab_size)
+
+    async def _tokenize(self, chat: bool, model: ModelRuntime, prompt: Any) -> array[int]:
+        tok = model.tokenizer
+        tt = time.perf_counter()
+        try:
+            if chat:
+                ids = await self.tokenization.encode_text(tok, tok.render_chat(prompt), False)
+            elif isinstance(prompt, str):
+                ids = await self.tokenization.encode_text(tok, prompt, True)
+            else:
+                ids = prompt
+        except TokenizerError as e:
+            raise bad_request(str(e), "messages" if chat else "prompt") from None
+        self.metrics.child(self.metrics.tokenize, model.id).observe(time.perf_counter() - tt)
+        return ids
+
+    def _check_lengths(self, chat: bool, req: ChatRequest | CompletionRequest, model: ModelRuntime, n: int) -> int:
+        """The request's max_tokens, after checking prompt and completion fit the context."""
+        lim = self.limits
+        ctx = model.max_context
+        max_prompt = min(lim.max_prompt_tokens or ctx, ctx)
+        if n == 0:
+            raise bad_request("The prompt is empty after tokenization.", "prompt")
+        if n >= max_prompt:
+            raise bad_request(
+                f"This model's maximum context length is {ctx} tokens and prompts are limited to "
+                f"{max_prompt - 1} tokens; your prompt has {n} tokens.",
+                "messages" if chat else "prompt",
+                "context_length_exceeded",
+            )
+        mt = requested_max_tokens(req)
+        if mt is None:
+            return min(lim.default_max_tokens, ctx - n)
+        if n + mt > ctx:
+            raise bad_request(
+                f"This model's maximum context length is {ctx} tokens. However, you requested {n + mt} tokens "
+                f"({n} in the prompt, {mt} for the completion). Please reduce the prompt or the completion length.",
+                "max_tokens",
+                "context_length_exceeded",
+            )
+        return mt

@@ -1,0 +1,81 @@
+"""Reading a worker over HTTP: `/health`, `/info`, `/load` (or vLLM's `/metrics`).
+
+Each read returns a typed answer or None with the reason left in `worker.last_error`,
+so the pool's state machine (router/pool.py) decides what a failure means.
+"""
+from __future__ import annotations
+
+import aiohttp
+import msgspec
+
+from kvwire import LoadReport, WorkerInfo
+from kvwire.info import info_decoder
+from kvwire.load import load_report_decoder
+
+from .vllm_load import parse_vllm_metrics, vllm_report
+from .worker import Worker
+
+
+class BadAnswer(ValueError):
+    """The worker answered, but not with what the contract says."""
+
+
+class Probe:
+    def __init__(self, session: aiohttp.ClientSession, timeout_s: float, connect_timeout_s: float) -> None:
+        self.session = session
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s, connect=connect_timeout_s)
+
+    async def fetch(self, w: Worker, path: str) -> bytes | None:
+        try:
+            async with self.session.get(w.url + path, timeout=self.timeout) as r:
+                body = await r.read()
+                if r.status != 200:
+                    w.last_error = f"GET {path}: HTTP {r.status}"
+                    return None
+                return body
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:
+            w.last_error = f"GET {path}: {type(e).__name__}: {e}"
+            return None
+
+    async def health(self, w: Worker) -> str | None:
+        """The worker's status ("ok", "draining"), or None when `/health` failed."""
+        body = await self.fetch(w, "/health")
+        if body is None:
+            return None
+        if w.kind != "kvroute":
+            return "ok"
+        try:
+            st = msgspec.json.decode(body).get("status", "ok")
+        except (msgspec.DecodeError, AttributeError):
+            return "ok"
+        return st if isinstance(st, str) else "ok"
+
+    async def info(self, w: Worker) -> WorkerInfo | None:
+        """Our worker's `/info`; raises BadAnswer when it does not parse."""
+        body = await self.fetch(w, "/info")
+        if body is None:
+            return None
+        try:
+            return info_decoder.decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise BadAnswer(f"/info is not valid: {e}") from None
+
+    async def load(self, w: Worker) -> LoadReport | None:
+        """The worker's load: our `/load`, or a vLLM server's `/metrics` as a report."""
+        if w.kind == "kvroute":
+            body = await self.fetch(w, "/load")
+            if body is None:
+                return None
+            try:
+                return load_report_decoder.decode(body)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                w.last_error = f"/load: {e}"
+                return None
+        body = await self.fetch(w, "/metrics")
+        if body is None:
+            return None
+        try:
+            return vllm_report(parse_vllm_metrics(body.decode(errors="replace")))
+        except ValueError as e:
+            w.last_error = f"/metrics: {e}"
+            return None
