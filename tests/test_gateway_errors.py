@@ -49,6 +49,15 @@ async def fleet(fakes: list[FakeWorker], cfg: Config | None = None, ready: bool 
                 await c.close()
 
 
+async def wait_until(cond: Any, timeout: float = 5.0, what: str = "condition") -> None:
+    """Poll `cond()` until it holds; fail the test with `what` when `timeout` passes."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
 _CLIENTS: dict[str, list[openai.AsyncOpenAI]] = {}  # closed by `fleet` before its loop ends
 
 
@@ -152,7 +161,7 @@ async def test_tenant_concurrency_429() -> None:
     async with fleet([slow], cfg) as (gw, url):
         c = client(url, KEY)
         first = asyncio.ensure_future(c.completions.create(model=MODEL, prompt="hello", max_tokens=1))
-        await asyncio.sleep(0.2)
+        await wait_until(lambda: slow.completions, what="the first request to reach the worker")
         with pytest.raises(openai.RateLimitError) as ei:
             await c.completions.create(model=MODEL, prompt="hello", max_tokens=1)
         assert ei.value.code == "tenant_concurrency" and ei.value.response.headers.get("retry-after")
@@ -241,10 +250,7 @@ async def test_client_disconnect_cancels_upstream() -> None:
             async with s.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 200, "stream": True}) as r:
                 assert r.status == 200
                 await r.content.readline()
-        for _ in range(100):
-            if slow.cancelled and not gw.pool.workers["a"].inflight:
-                break
-            await asyncio.sleep(0.02)
+        await wait_until(lambda: slow.cancelled and not gw.pool.workers["a"].inflight, what="the upstream cancel")
         assert slow.cancelled == 1
         assert not gw.pool.workers["a"].inflight and gw.pool.workers["a"].view.inflight_requests == 0
 

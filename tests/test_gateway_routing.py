@@ -10,11 +10,12 @@ from array import array
 from typing import Any
 
 import aiohttp
-from test_gateway_errors import DIGEST, MODEL, _cfg, client, fleet
+from test_gateway_errors import DIGEST, MODEL, _cfg, client, fleet, wait_until
 from test_gateway_fakes import FakeWorker
 
 from kvindex.events import BlockStored
 from kvindex.keys import digest64
+from kvindex.tiers import Tier
 from router.config import WorkerConfig
 
 PROMPT = list(range(100, 100 + 16 * 20 + 5))  # 20 full blocks + 5 tokens
@@ -37,7 +38,8 @@ async def _explain(url: str, body: dict[str, Any]) -> dict[str, Any]:
 
 
 async def test_prefetch_sent_for_cpu_blocks_before_forwarding() -> None:
-    a, b = FakeWorker("a", DIGEST), FakeWorker("b", DIGEST)
+    # Both report half a second of queue: the prefetch deadline must cover it (plus the margin).
+    a, b = (FakeWorker(n, DIGEST, load={"est_queue_s": 0.5}) for n in ("a", "b"))
     async with fleet([a, b]) as (gw, url):
         keys = _store(gw, "a", PROMPT, "CPU", 20)
         ex = await _explain(url, {"model": MODEL, "prompt": PROMPT, "max_tokens": 2})
@@ -50,7 +52,9 @@ async def test_prefetch_sent_for_cpu_blocks_before_forwarding() -> None:
         assert len(a.prefetches) == 1 and len(a.completions) == 1 and not b.completions
         pf = a.prefetches[0]
         raw = base64.b64decode(pf["keys_b64"])
-        assert raw == b"".join(keys) and pf["deadline_ms"] >= 200
+        # deadline = max(min_deadline 0.2 s, t_queue + margin 0.05 s); t_queue is the 0.5 s report
+        # aged by at most one poll interval (0.05 s)
+        assert raw == b"".join(keys) and 490 <= pf["deadline_ms"] <= 550, pf["deadline_ms"]
         assert pf["prefetch_id"] == "p-" + a.completions[0]["kv"]["request_id"]
         m = gw.metrics
         assert m.prefetch_sent._value.get() == 1 and m.prefetch_requested_tokens._value.get() == 320
@@ -86,10 +90,7 @@ async def test_prefetch_cancelled_when_rerouted() -> None:
         _store(gw, "a", PROMPT, "CPU", 20)
         r = await client(url).completions.create(model=MODEL, prompt=PROMPT, max_tokens=1)
         assert r.choices[0].text and len(b.completions) == 1 and len(a.completions) == 1
-        for _ in range(50):
-            if a.deleted_prefetches:
-                break
-            await asyncio.sleep(0.02)
+        await wait_until(lambda: a.deleted_prefetches)
         assert a.deleted_prefetches == [a.prefetches[0]["prefetch_id"]]
         assert gw.metrics.prefetch_cancelled._value.get() == 1
 
@@ -98,7 +99,7 @@ async def test_long_queue_loses_to_idle_worker_when_recompute_is_cheaper() -> No
     busy = FakeWorker("a", DIGEST, load={"waiting_requests": 40, "waiting_prefill_tokens": 400_000, "est_queue_s": 12.0})
     idle = FakeWorker("b", DIGEST)
     async with fleet([busy, idle]) as (gw, url):
-        await asyncio.sleep(0.15)  # a load poll
+        await wait_until(lambda: gw.pool.workers["a"].view.est_queue_s == 12.0, what="a load poll")
         _store(gw, "a", PROMPT, "GPU", 20)
         ex = await _explain(url, {"model": MODEL, "prompt": PROMPT, "max_tokens": 2})
         assert ex["decision"]["worker_id"] == "b"
@@ -110,7 +111,7 @@ async def test_long_queue_loses_to_idle_worker_when_recompute_is_cheaper() -> No
         assert len(idle.completions) == 1 and not busy.completions
         # ... and with an idle queue the holder wins
         busy.load = {}
-        await asyncio.sleep(0.15)
+        await wait_until(lambda: gw.pool.workers["a"].view.est_queue_s == 0.0, what="a load poll")
         ex = await _explain(url, {"model": MODEL, "prompt": PROMPT, "max_tokens": 2})
         assert ex["decision"]["worker_id"] == "a"
 
@@ -121,7 +122,7 @@ async def test_inflight_accounting_and_metrics() -> None:
         w = gw.pool.workers["a"]
         c = client(url)
         t = asyncio.ensure_future(c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1))
-        await asyncio.sleep(0.15)
+        await wait_until(lambda: slow.completions, what="the request to reach the worker")
         assert w.view.inflight_requests == 1 and w.view.inflight_prefill_tokens == len(PROMPT)
         await t
         assert w.view.inflight_requests == 0 and w.view.inflight_prefill_tokens == 0 and not w.inflight
@@ -147,10 +148,7 @@ async def test_admin_workers_drain_remove_add() -> None:
                 assert r.status == 409
             async with s.post(url + "/admin/workers", json={"id": "c", "url": "nope"}) as r:
                 assert r.status == 400 and "url" in (await r.json())["error"]["message"]
-            for _ in range(100):
-                if len(gw.pool.routable(MODEL)) == 2:
-                    break
-                await asyncio.sleep(0.02)
+            await wait_until(lambda: len(gw.pool.routable(MODEL)) == 2)
             async with s.post(url + "/admin/workers/a/drain") as r:
                 assert (await r.json())["state"] == "draining"
             c = client(url)
@@ -172,10 +170,7 @@ async def test_namespace_and_block_size_mismatch_refused() -> None:
     wrong_bs = FakeWorker("y", DIGEST, block_size=24)
     good = FakeWorker("g", DIGEST)
     async with fleet([good, wrong_ns, wrong_bs]) as (gw, url):
-        for _ in range(50):
-            if gw.pool.workers["x"].state.value == "refused" and gw.pool.workers["y"].state.value == "refused":
-                break
-            await asyncio.sleep(0.02)
+        await wait_until(lambda: gw.pool.workers["x"].state.value == "refused" and gw.pool.workers["y"].state.value == "refused")
         assert "namespace digest" in gw.pool.workers["x"].reason
         assert "not a multiple" in gw.pool.workers["y"].reason
         assert gw.pool.routable(MODEL) == [gw.pool.workers["g"]]
@@ -193,16 +188,10 @@ async def test_dead_worker_leaves_index_and_returns() -> None:
         _store(gw, "a", PROMPT, "GPU", 4)
         assert rt.index.has_worker("a")
         a.health_status = 500
-        for _ in range(100):
-            if gw.pool.workers["a"].state.value == "unhealthy":
-                break
-            await asyncio.sleep(0.02)
+        await wait_until(lambda: gw.pool.workers["a"].state.value == "unhealthy")
         assert gw.pool.workers["a"].state.value == "unhealthy" and not rt.index.has_worker("a")
         a.health_status = 200
-        for _ in range(100):
-            if gw.pool.workers["a"].state.value == "healthy":
-                break
-            await asyncio.sleep(0.02)
+        await wait_until(lambda: gw.pool.workers["a"].state.value == "healthy")
         assert gw.pool.workers["a"].state.value == "healthy" and rt.index.has_worker("a")
         assert not rt.index.match([digest64(k) for k in rt.keys.hasher.keys(PROMPT)[:4]])  # old entries gone
 
@@ -212,13 +201,11 @@ async def test_prefetch_cancelled_when_client_leaves_before_first_token() -> Non
     async with fleet([slow]) as (gw, url):
         _store(gw, "a", PROMPT, "CPU", 20)
         async with aiohttp.ClientSession() as s:
-            t = asyncio.ensure_future(s.post(url + "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "stream": True}))
-            await asyncio.sleep(0.3)
+            t = asyncio.ensure_future(s.post(url + "/v1/completions", json={"model": MODEL, "prompt": PROMPT,
+                                                                             "max_tokens": 2, "stream": True}))
+            await wait_until(lambda: slow.completions and slow.prefetches, what="the request and its prefetch")
             t.cancel()
-        for _ in range(100):
-            if slow.deleted_prefetches:
-                break
-            await asyncio.sleep(0.02)
+        await wait_until(lambda: slow.deleted_prefetches)
         assert len(slow.prefetches) == 1 and slow.deleted_prefetches == [slow.prefetches[0]["prefetch_id"]]
         assert not gw.pool.workers["a"].inflight
 
@@ -245,26 +232,24 @@ async def test_vllm_worker_events_in_bind_mode() -> None:
                                     events={"endpoint": f"tcp://127.0.0.1:{port}", "bind": True}),
                        WorkerConfig(id="o", url=other.url, model=MODEL)]
         async with fleet([], cfg) as (gw, url):
-            for _ in range(100):
-                if len(gw.pool.routable(MODEL)) == 2:
-                    break
-                await asyncio.sleep(0.02)
+            await wait_until(lambda: len(gw.pool.routable(MODEL)) == 2)
             rt = gw.models.get(MODEL)
             plan = rt.key_plan(array("I", PROMPT), gw.tenancy.tenants["t"].salt, None)
             ctx = zmq.asyncio.Context()
             pub = ctx.socket(zmq.PUB)
             pub.connect(f"tcp://127.0.0.1:{port}")
-            await asyncio.sleep(0.3)  # the subscription reaches the publisher
             # vLLM: its own hashes, 32-token blocks, cache_salt as the first block's extra key
             n = 10
             ev = BlockStored(list(range(7001, 7001 + n)), None, PROMPT[: 32 * n], 32, medium="GPU",
                              extra_keys=[(plan.wire_salt,)] + [None] * (n - 1))
-            await pub.send_multipart([b"kv", seq_to_bytes(0), EventEncoder().encode(time.time(), [ev])])
-            for _ in range(100):
+            payload = EventEncoder().encode(time.time(), [ev])
+            m: dict[str, Any] = {}
+            for seq in range(500):  # a PUB drops what it sends before the subscription arrives: resend
+                await pub.send_multipart([b"kv", seq_to_bytes(seq), payload])
+                await asyncio.sleep(0.01)
                 m = rt.index.match(plan.digests, ["v"])
                 if m:
                     break
-                await asyncio.sleep(0.02)
             assert m["v"].blocks == 2 * n  # each 32-token engine block = two index blocks
             c = client(url, "sk-tenant-t-0001")
             await c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1)
@@ -279,17 +264,36 @@ async def test_worker_that_reports_draining_leaves_and_returns() -> None:
     async with fleet([a, b]) as (gw, url):
         wa = gw.pool.workers["a"]
         a.health_state = "draining"
-        for _ in range(100):
-            if wa.state.value == "draining":
-                break
-            await asyncio.sleep(0.02)
+        await wait_until(lambda: wa.state.value == "draining")
         assert wa.state.value == "draining" and gw.pool.routable(MODEL) == [gw.pool.workers["b"]]
         for _ in range(3):
             await client(url).completions.create(model=MODEL, prompt="hello", max_tokens=1)
         assert not a.completions and len(b.completions) == 3
         a.health_state = "ok"
-        for _ in range(100):
-            if wa.state.value == "healthy":
-                break
-            await asyncio.sleep(0.02)
+        await wait_until(lambda: wa.state.value == "healthy")
         assert wa.state.value == "healthy"
+
+
+async def test_a_worker_cost_override_beats_its_reported_speeds() -> None:
+    """An operator's `cost` block on a worker is a deliberate correction: polls never undo it."""
+    from contextlib import AsyncExitStack
+
+    from test_gateway_fakes import serve_fake
+
+    from router.server import running_gateway
+
+    a = FakeWorker("a", DIGEST)  # reports prefill 35000 tok/s, decode 6 ms, CPU 5e10 B/s
+    cfg = _cfg()
+    async with AsyncExitStack() as st:
+        await st.enter_async_context(serve_fake(a))
+        cfg.workers = [WorkerConfig(id="a", url=a.url, model=MODEL, cost={
+            "prefill_tokens_per_s": 1234.0, "links": {"CPU": {"read_Bps": 1e6, "latency_s": 0.5}}})]
+        gw, _ = await st.enter_async_context(running_gateway(cfg, ready_timeout=5.0))
+        w = gw.pool.workers["a"]
+        first = w.fleet.load_t
+        assert first is not None  # registration polls once
+        await wait_until(lambda: (w.fleet.load_t or 0.0) > first + 0.06, what="two more load polls")
+        c = w.view.cost
+        assert c.prefill_tokens_per_s == 1234.0 and c.decode_step_s == 0.006  # pinned vs reported
+        cpu = c.links[Tier.CPU]
+        assert (cpu.read_Bps, cpu.latency_s) == (1e6, 0.5)
