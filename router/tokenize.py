@@ -229,7 +229,7 @@ def _load(folder: Path) -> Any:
 class Tokenization:
     """Runs cached encodes for the event loop, sending long uncached text to a thread.
 
-    Measured here (2 shared cores, scripts in the closing note): encoding costs ~0.9–1.7 µs
+    Measured on a 2-core machine: encoding costs ~0.9–1.7 µs
     per token inline and the thread handoff ~0.2 ms. From ~4k characters of uncached
     text (~1.5k tokens, 1.5–2.5 ms of encode) blocking the loop would delay every other
     request by more than the handoff costs this one, so that is the threshold; cached

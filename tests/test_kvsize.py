@@ -69,7 +69,7 @@ def test_hf_config_fields_and_fallbacks(tmp_path):
                          "hidden_size": 256, "dtype": "float32"})  # fmt: skip
     g = load_model_geometry(p)
     assert (g.layers, g.kv_heads, g.head_dim, g.dtype) == (4, 2, 64, "fp32")
-    assert kv_size(g).bytes_per_token == 4096  # FACTS.md: the tiny model, fp32
+    assert kv_size(g).bytes_per_token == 4096  # 2 · 4 layers · 2 KV heads · 64 · 4 bytes
     assert load_model_geometry(tmp_path) == g  # the folder holding config.json
     # no num_key_value_heads: multi-head attention, every head cached
     p = write(tmp_path, {"num_hidden_layers": 2, "num_attention_heads": 8, "hidden_size": 512,
