@@ -15,13 +15,13 @@ ARGS ?=
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,worker]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,worker,loadtest]'
 	touch $(STAMP)
 
 venv: $(STAMP)
 
 up: $(STAMP)
-	$(VENV)/bin/kvroute up --workers $(WORKERS) $(ARGS)
+	$(VENV)/bin/kvroute up --sim --workers $(WORKERS) $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest $(ARGS)

@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,16 +36,12 @@ import aiohttp
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from loadtest.ports import free_port  # noqa: E402
+
 PROFILE = "h200-llama3.1-8b"
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
-
-
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
 
 
 def _cpu_s(pid: int) -> float:
@@ -71,7 +66,7 @@ def _start_worker() -> tuple[subprocess.Popen[str], str]:
 
 
 def _start_gateway(worker_url: str, tmp: Path) -> tuple[subprocess.Popen[str], str]:
-    port = _free_port()
+    port = free_port()
     cfg = {
         "listen": {"host": "127.0.0.1", "port": port},
         "models": [{"id": MODEL, "tokenizer": str(ROOT / "configs/assets/tiny-tokenizer"), "profile": PROFILE}],
@@ -80,7 +75,7 @@ def _start_gateway(worker_url: str, tmp: Path) -> tuple[subprocess.Popen[str], s
     }
     path = tmp / "gw.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    proc = subprocess.Popen([sys.executable, "-m", "router.cli", "serve", "--config", str(path)], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "kvroute.cli", "serve", "--config", str(path)], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     return proc, f"http://127.0.0.1:{port}"
 

@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import json
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,15 +31,11 @@ import aiohttp
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from loadtest.ports import free_port  # noqa: E402
+
 BASE_PROFILE = "h200-llama3.1-8b"
-
-
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
 
 
 def _profile(tmp: Path, gpu_blocks: int) -> tuple[Path, str]:
@@ -71,7 +66,7 @@ def _start_fleet(n: int, profile: Path) -> tuple[subprocess.Popen[str], list[str
 
 
 def _start_gateway(tmp: Path, policy: str, urls: list[str], profile: Path, model: str) -> tuple[subprocess.Popen[str], str]:
-    port = _free_port()
+    port = free_port()
     cfg = {
         "listen": {"host": "127.0.0.1", "port": port},
         "models": [{"id": model, "tokenizer": str(ROOT / "configs/assets/tiny-tokenizer"), "profile": str(profile)}],
@@ -82,7 +77,7 @@ def _start_gateway(tmp: Path, policy: str, urls: list[str], profile: Path, model
     }
     path = tmp / f"gw-{policy}.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    proc = subprocess.Popen([sys.executable, "-m", "router.cli", "serve", "--config", str(path)], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "kvroute.cli", "serve", "--config", str(path)], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     return proc, f"http://127.0.0.1:{port}"
 

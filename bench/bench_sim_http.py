@@ -1,7 +1,8 @@
 """Benchmark: HTTP-mode CPU cost per request of a simulated fleet under a Mooncake replay.
 
 Starts `python -m workers.cli sim-cluster` (default 16 x h200-llama3.1-8b) as a child
-process, replays a slice of /work/shared/traces/mooncake_conversation_first_half.jsonl
+process, replays a slice of the Mooncake trace (`--trace FILE`, default
+$LOADTEST_TRACES/mooncake_conversation_first_half.jsonl)
 against it open-loop at the trace's timestamps (times `--speed`): streaming
 /v1/completions with token-id prompts (each 512-token trace block becomes a fixed
 pseudo-random token block, so prefix sharing is exact), `max_tokens` = output length,
@@ -33,7 +34,10 @@ import aiohttp
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-TRACE = Path("/work/shared/traces/mooncake_conversation_first_half.jsonl")
+sys.path.insert(0, str(ROOT))
+
+from loadtest.trace import TraceError  # noqa: E402
+from loadtest.tracefiles import resolve_trace  # noqa: E402
 
 
 def proc_cpu_s(pid: int) -> float:
@@ -121,10 +125,14 @@ def main() -> None:
     ap.add_argument("--profile", default="h200-llama3.1-8b")
     ap.add_argument("--limit", type=int, default=600)
     ap.add_argument("--speed", type=float, default=4.0)
-    ap.add_argument("--trace", type=Path, default=TRACE)
+    ap.add_argument("--trace", type=Path, default=None, help="Mooncake JSONL (default: $LOADTEST_TRACES/...)")
     args = ap.parse_args()
+    try:
+        trace = resolve_trace(args.trace)
+    except TraceError as e:
+        raise SystemExit(f"error: {e}") from None
     rows = []
-    with args.trace.open() as f:
+    with trace.open() as f:
         for line in f:
             rows.append(json.loads(line))
             if len(rows) >= args.limit:

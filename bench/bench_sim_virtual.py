@@ -1,11 +1,12 @@
 """Benchmark: simulated requests per second of wall time, virtual clock, Mooncake trace.
 
-Replays /work/shared/traces/mooncake_conversation_first_half.jsonl (5,606 requests,
-512-token hash blocks) on N SimEngines (default 16 x h200-llama3.1-8b) driven by a
-global event heap, exactly as a discrete-event simulator would drive them: arrivals at
-the trace's timestamps (times `--speed`), each engine advanced to its own next event
-time. Keys are precomputed once per trace block (each 512-token block split into
-engine blocks, chained), the fast path the engine API offers (`SimRequest.keys`).
+Replays the Mooncake trace (`--trace FILE`, default
+$LOADTEST_TRACES/mooncake_conversation_first_half.jsonl: 5,606 requests, 512-token
+hash blocks) on N SimEngines (default 16 x h200-llama3.1-8b) driven by a global event
+heap, exactly as a discrete-event simulator would drive them: arrivals at the trace's
+timestamps (times `--speed`), each engine advanced to its own next event time. Keys
+are precomputed once per trace block (each 512-token block split into engine blocks,
+chained), the fast path the engine API offers (`SimRequest.keys`).
 
 Dispatch is a stand-in for a router (this measures the engine, not a policy):
 `affinity` sends a request to the worker owning its first two trace blocks (consistent
@@ -29,9 +30,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from loadtest.trace import TraceError  # noqa: E402
+from loadtest.tracefiles import resolve_trace  # noqa: E402
 from workers.sim import RemoteStore, SimEngine, SimRequest, load_profile  # noqa: E402
 
-TRACE = Path("/work/shared/traces/mooncake_conversation_first_half.jsonl")
 TRACE_BLOCK = 512
 
 
@@ -151,7 +153,7 @@ def run(rows: list[dict], keys: list[list[bytes]], workers: int, profile_name: s
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--trace", type=Path, default=TRACE)
+    ap.add_argument("--trace", type=Path, default=None, help="Mooncake JSONL (default: $LOADTEST_TRACES/...)")
     ap.add_argument("--workers", type=int, default=16)
     ap.add_argument("--profile", default="h200-llama3.1-8b")
     ap.add_argument("--block-sizes", default="16,64")
@@ -160,7 +162,11 @@ def main() -> None:
     ap.add_argument("--remote-groups", type=int, default=0)
     ap.add_argument("--limit", type=int, default=None)
     args = ap.parse_args()
-    rows = load_trace(args.trace, args.limit)
+    try:
+        trace = resolve_trace(args.trace)
+    except TraceError as e:
+        raise SystemExit(f"error: {e}") from None
+    rows = load_trace(trace, args.limit)
     print(f"trace: {len(rows)} requests, {sum(r['input_length'] for r in rows) / len(rows):,.0f} mean prompt tokens")
     for bs in (int(x) for x in args.block_sizes.split(",")):
         t0 = time.perf_counter()

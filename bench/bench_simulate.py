@@ -3,9 +3,9 @@
     .venv/bin/python bench/bench_simulate.py [--trace FILE] [--limit N] [--workers 8]
         [--block-sizes 16,64] [--policies round_robin,kv_cost,oracle] [--repeat 3]
 
-For each block size and policy, the Mooncake trace (default: the shared first
-half, 5,606 requests) runs `--repeat` times on a cold fleet; prints the median
-wall time, requests/s, and what the time goes into (simulated events, KV events
+For each block size and policy, the Mooncake trace (default: the first half in
+$LOADTEST_TRACES, 5,606 requests) runs `--repeat` times on a cold fleet; prints the
+median wall time, requests/s, and what the time goes into (simulated events, KV events
 applied to the index, load polls), plus the one-off key computation per block size.
 """
 from __future__ import annotations
@@ -23,13 +23,15 @@ from loadtest.fleet import FleetSpec  # noqa: E402
 from loadtest.simulate import KeyCache, SimSettings, Simulation  # noqa: E402
 from loadtest.summary import summarize  # noqa: E402
 from loadtest.tokens import TokenSynth  # noqa: E402
+from loadtest.trace import TraceError  # noqa: E402
+from loadtest.tracefiles import resolve_trace  # noqa: E402
 from loadtest.traces import load_trace  # noqa: E402
 from workers.sim import load_profile  # noqa: E402
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--trace", default="/work/shared/traces/mooncake_conversation_first_half.jsonl")
+    ap.add_argument("--trace", default=None, help="trace file (default: $LOADTEST_TRACES/mooncake_...jsonl)")
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--profile", default="h200-llama3.1-8b")
@@ -37,7 +39,10 @@ def main() -> int:
     ap.add_argument("--policies", default="round_robin,kv_cost,oracle")
     ap.add_argument("--repeat", type=int, default=1)
     a = ap.parse_args()
-    trace = load_trace(a.trace)
+    try:
+        trace = load_trace(resolve_trace(a.trace))
+    except TraceError as e:
+        raise SystemExit(f"error: {e}") from None
     if a.limit:
         trace = trace.window(limit=a.limit)
     synth = TokenSynth.for_trace(trace)

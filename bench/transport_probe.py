@@ -42,6 +42,8 @@ from loadtest.compare import CompareConfig, http_run  # noqa: E402
 from loadtest.results import ResultsWriter, read_runs  # noqa: E402
 from loadtest.router_model import TRANSPORTS  # noqa: E402
 from loadtest.tokens import TokenSynth  # noqa: E402
+from loadtest.trace import TraceError  # noqa: E402
+from loadtest.tracefiles import resolve_trace  # noqa: E402
 from loadtest.traces import load_trace  # noqa: E402
 
 FREE_CANDIDATES = (8_000, 16_000, 24_000, 32_000, 48_000)
@@ -192,7 +194,7 @@ def analyse(reqs: list[Req]) -> dict[str, float]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--trace", default="/work/shared/traces/mooncake_conversation_first_half.jsonl")
+    ap.add_argument("--trace", default=None, help="trace file (default: $LOADTEST_TRACES/mooncake_...jsonl)")
     ap.add_argument("--limit", type=int, default=300)
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--policy", default="round_robin")
@@ -202,10 +204,13 @@ def main() -> int:
     if args.from_run:
         out = Path(args.from_run)
     else:
+        try:
+            trace = load_trace(resolve_trace(args.trace)).window(limit=args.limit)
+        except TraceError as e:
+            raise SystemExit(f"error: {e}") from None
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "arrivals.log").unlink(missing_ok=True)
-        trace = load_trace(args.trace).window(limit=args.limit)
         cfg = CompareConfig(policies=[args.policy], workers=args.workers, arrival_log=str(out / "arrivals.log"))
         synth = TokenSynth.for_trace(trace, vocab_size=cfg.vocab_size, seed=cfg.seed)
         with ResultsWriter(out / "results.jsonl") as w:

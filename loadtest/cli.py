@@ -435,8 +435,23 @@ def _delay(text: str) -> tuple[float, float]:
     return (vals[0], vals[1] if len(vals) > 1 else 0.0)
 
 
+def _missing_extra() -> str | None:
+    """One line naming what `pip install 'kvroute[loadtest]'` would add, if anything is missing."""
+    import importlib.util
+
+    missing = [m for m in ("rich", "matplotlib") if importlib.util.find_spec(m) is None]
+    if not missing:
+        return None
+    return (f"kvroute loadtest needs the `loadtest` extra ({', '.join(missing)} missing): "
+            "pip install 'kvroute[loadtest]', or from a checkout pip install -e '.[loadtest]'")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    missing = _missing_extra()
+    if missing:
+        print(f"error: {missing}", file=sys.stderr)
+        return 2
     try:
         return int(args.fn(args))
     except (TraceError, ValueError) as e:  # bad input: traces, profiles, policy names/params

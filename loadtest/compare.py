@@ -5,7 +5,7 @@ TTFT of each policy compared (the acceptance bound is 10%).
 The HTTP side runs what a user would run, as separate processes: `python -m
 workers.cli sim-cluster` (N simulated workers with the same profile, block size and
 one REMOTE group, restarted for each policy so every run starts cold, as the offline
-one does) and the gateway (`python -m router.cli serve` with a generated config
+one does) and the gateway (`python -m kvroute.cli serve` with a generated config
 naming those workers and the policy). Routing decisions are the gateway's own — the
 replay only sends the trace (token ids, open loop) to its OpenAI endpoint.
 
@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 import signal
 import statistics
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ from pathlib import Path
 import yaml
 
 from .fleet import FleetSpec
+from .ports import free_port
 from .replay import ReplayConfig, run_replay
 from .report import latency_table, write_report
 from .results import ResultsWriter, Run, read_runs
@@ -70,14 +70,6 @@ class CompareConfig:
             raise TraceError(f"unknown transport {self.transport!r}; known: {', '.join(sorted(TRANSPORTS))}")
         if not 1 <= self.offline_seeds <= 99 or not 1 <= self.http_runs <= 9:
             raise TraceError("offline_seeds must be in 1..99 and http_runs in 1..9")
-
-
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def _stop(proc: subprocess.Popen[str]) -> None:
@@ -155,7 +147,7 @@ def _profile_model(profile: str) -> str:
 
 def _start_gateway(cfg: CompareConfig, conf: Path, port: int, log: Path, n_workers: int) -> subprocess.Popen[str]:
     f = log.open("a")
-    proc = subprocess.Popen([cfg.python, "-m", "router.cli", "serve", "--config", str(conf)], cwd=str(REPO),
+    proc = subprocess.Popen([cfg.python, "-m", "kvroute.cli", "serve", "--config", str(conf)], cwd=str(REPO),
                             stdout=f, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     deadline = time.monotonic() + cfg.ready_timeout_s
     url = f"http://127.0.0.1:{port}/ready"
@@ -210,7 +202,7 @@ def http_run(trace: Trace, cfg: CompareConfig, policy: str, synth: TokenSynth, o
     try:
         if len(urls) != cfg.workers:
             raise TraceError(f"sim-cluster announced {len(urls)} workers, expected {cfg.workers}")
-        port = _free_port()
+        port = free_port()
         conf = out / f"gateway-{policy}.yaml"
         conf.write_text(yaml.safe_dump(_gateway_config(cfg, policy, urls, port)))
         gw = _start_gateway(cfg, conf, port, log, len(urls))

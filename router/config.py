@@ -23,6 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .planner.registry import make_policy, policy_params
 
 ENV_PREFIX = "KVROUTE_"
+# KVROUTE_* variables that belong to the workers, not to the gateway's config.
+NOT_CONFIG_ENV = frozenset({"KVROUTE_PEER_TOKEN", "KVROUTE_PROFILES_DIR"})
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROFILES_DIR = REPO_ROOT / "configs" / "profiles"
 _TIER_NAMES = ("CPU", "DISK", "REMOTE", "PEER")
@@ -308,7 +310,7 @@ def format_validation_error(e: ValidationError) -> str:
 def apply_env_overrides(data: dict[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
     """Set `a.b.c` from `KVROUTE_A__B__C` (lists indexed by number). Returns `data`."""
     for name in sorted(environ):
-        if not name.startswith(ENV_PREFIX):
+        if not name.startswith(ENV_PREFIX) or name in NOT_CONFIG_ENV:
             continue
         parts = [p.lower() for p in name[len(ENV_PREFIX) :].split("__") if p]
         if not parts:

@@ -71,6 +71,7 @@ def test_env_overrides_nested_and_lists() -> None:
         "KVROUTE_ROUTING__PREFETCH__ENABLED": "false",
         "KVROUTE_WORKERS__0__URL": "http://127.0.0.1:7000",
         "KVROUTE_ADMIN_TOKEN": "secret-admin",
+        "KVROUTE_PEER_TOKEN": "a worker's, not the gateway's",
         "OTHER": "ignored",
     }
     cfg = build_config(_base(workers=[{"id": "w0", "url": "http://127.0.0.1:1"}]), ROOT, environ=env)

@@ -16,6 +16,7 @@ from loadtest.results import ResultsWriter, read_runs
 from loadtest.summary import summarize
 from loadtest.tokens import TokenSynth
 from loadtest.trace import Trace, TraceError, TraceRequest
+from loadtest.tracefiles import MOONCAKE_SLICE
 
 TTFT_S = 0.03
 TOKEN_GAP_S = 0.005
@@ -159,12 +160,9 @@ async def test_chat_endpoint_and_limits(server: tuple[str, FakeServer]) -> None:
 
 
 async def test_unreachable_server_is_an_error_not_a_hang() -> None:
-    import socket
+    from loadtest.ports import free_port
 
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
+    port = free_port()
     trace = Trace("t", 512, [TraceRequest(0, 0.0, 10, 2, (0,))])
     cfg = ReplayConfig(url=f"http://127.0.0.1:{port}", model="m", progress=False)
     results = await Replayer(trace, TokenSynth.for_trace(trace), cfg).run()
@@ -190,7 +188,7 @@ def test_compare_offline_vs_http_end_to_end(tmp_path: Path) -> None:
     from loadtest.results import read_runs
     from loadtest.traces import load_trace
 
-    trace = load_trace("/work/shared/traces/mooncake_conversation_first_half.jsonl").window(limit=20)
+    trace = load_trace(MOONCAKE_SLICE).window(limit=20)
     cfg = CompareConfig(policies=["round_robin"], workers=2, tolerance=10.0, offline_seeds=3, http_runs=2)
     assert run_compare(trace, cfg, tmp_path)
     runs = {r.meta.run: r for r in read_runs(tmp_path / "results.jsonl")}
@@ -206,7 +204,7 @@ def test_offline_side_takes_the_median_draw_of_the_transport() -> None:
     from loadtest.tokens import TokenSynth
     from loadtest.traces import load_trace
 
-    trace = load_trace("/work/shared/traces/mooncake_conversation_first_half.jsonl").window(limit=40)
+    trace = load_trace(MOONCAKE_SLICE).window(limit=40)
     cfg = CompareConfig(workers=2, offline_seeds=5)
     synth = TokenSynth.for_trace(trace, vocab_size=cfg.vocab_size, seed=cfg.seed)
     run, p50s = offline_median_run(trace, cfg, "round_robin", synth)
@@ -301,7 +299,7 @@ def test_compare_can_recheck_the_offline_side_against_earlier_http_runs(tmp_path
     from loadtest.tokens import TokenSynth
     from loadtest.traces import load_trace
 
-    trace = load_trace("/work/shared/traces/mooncake_conversation_first_half.jsonl").window(limit=20)
+    trace = load_trace(MOONCAKE_SLICE).window(limit=20)
     cfg = CompareConfig(policies=["round_robin"], workers=2, transport="none")
     synth = TokenSynth.for_trace(trace, vocab_size=cfg.vocab_size, seed=cfg.seed)
     run = offline_run(trace, cfg, "round_robin", synth)

@@ -1,6 +1,7 @@
 """The offline simulator on small slices: completeness, the router model, tiers, CLI."""
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,11 +16,12 @@ from loadtest.simulate import SimSettings, Simulation
 from loadtest.summary import summarize
 from loadtest.sweep import find_load, plan_jobs, run_matrix
 from loadtest.trace import TraceError
+from loadtest.tracefiles import AZURE_SLICE, MOONCAKE_SLICE
 from loadtest.traces import load_trace
 from loadtest.workloads import PrefixMix, Sessions, prefix_workload, session_workload
 from workers.sim import load_profile
 
-MOONCAKE = "/work/shared/traces/mooncake_conversation_first_half.jsonl"
+MOONCAKE = str(MOONCAKE_SLICE)  # the first 339 requests, shipped in tests/data/traces/
 
 
 @pytest.fixture(scope="module")
@@ -162,12 +164,20 @@ def test_cli_simulate_report_and_errors(tmp_path: Path, capsys: pytest.CaptureFi
                  "--policies", "kv_cost"]) == 2
     assert main(["trace", "stats", "--trace", MOONCAKE, "--limit", "10"]) == 0
     conv = tmp_path / "az.jsonl"
-    assert main(["trace", "convert", "--trace", "/work/shared/traces/AzureLLMInferenceTrace_conv.csv",
+    assert main(["trace", "convert", "--trace", str(AZURE_SLICE),
                  "--limit", "50", "--to", str(conv)]) == 0
     back = load_trace(conv, block_tokens=16)
     assert len(back) == 50
     assert main(["scenario", "list"]) == 0
     assert main(["scenario", "nope"]) == 2
+
+
+def test_cli_without_the_loadtest_extra_says_how_to_install_it(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    assert main(["trace", "stats", "--trace", MOONCAKE, "--limit", "10"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "matplotlib missing" in err and "pip install 'kvroute[loadtest]'" in err
 
 
 def _two_at_once(first_tokens: int, second_tokens: int) -> object:
@@ -283,7 +293,7 @@ def test_burst_jitter_is_shared_by_requests_issued_together() -> None:
     pure = Simulation(trace, "round_robin", _settings(fleet=three)).run()  # type: ignore[arg-type]
     rs = RouterSettings(burst_jitter_s=0.5, transport_seed=3)
     late = Simulation(trace, "round_robin", _settings(fleet=three, router=rs)).run()  # type: ignore[arg-type]
-    extra = [b.ttft_s - a.ttft_s for a, b in zip(pure.results, late.results)]
+    extra = [b.ttft_s - a.ttft_s for a, b in zip(pure.results, late.results, strict=True)]
     assert extra[0] == pytest.approx(extra[1], abs=1e-9)  # one draw for the burst at t=0
     assert 0.0 < extra[0] < 0.5 and 0.0 <= extra[2] < 0.5
     assert extra[2] != pytest.approx(extra[0], abs=1e-6)  # a new draw at t=5

@@ -11,18 +11,40 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvindex.keys import BlockHasher, Namespace
+from loadtest import tracefiles
+from loadtest.azure import parse_azure
 from loadtest.blockkeys import TraceKeyer
 from loadtest.burstgpt import parse_burstgpt
-from loadtest.azure import parse_azure
 from loadtest.mooncake import dump_mooncake, parse_mooncake
 from loadtest.sharing import SharingModel
 from loadtest.tokens import TokenSynth
 from loadtest.trace import Trace, TraceError, TraceRequest
+from loadtest.tracefiles import ENV, find_trace, require_trace
 from loadtest.traces import detect_format, load_trace
 
-TRACES = Path("/work/shared/traces")
-MOONCAKE = TRACES / "mooncake_conversation_first_half.jsonl"
-AZURE = TRACES / "AzureLLMInferenceTrace_conv.csv"
+# The slices shipped in tests/data/traces/ (first 339 Mooncake requests, first 200 Azure ones);
+# the full files come from $LOADTEST_TRACES, for the slow tests only.
+MOONCAKE = tracefiles.MOONCAKE_SLICE
+AZURE = tracefiles.AZURE_SLICE
+
+
+def _full(name: str) -> Path:
+    """The full public trace from $LOADTEST_TRACES, or a skip that says so."""
+    p = find_trace(name)
+    if p is None:
+        pytest.skip(f"needs the full trace {name}: set {ENV} to the folder holding it "
+                    "(see README.md, Replaying traces)")
+    return p
+
+
+def test_a_missing_full_trace_is_one_line_naming_the_variable(tmp_path: Path) -> None:
+    with pytest.raises(TraceError) as e:
+        require_trace(tracefiles.MOONCAKE, environ={})
+    assert f"${ENV} is not set" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(TraceError, match=f"{ENV}.*has no {tracefiles.AZURE}"):
+        require_trace(tracefiles.AZURE, environ={ENV: str(tmp_path)})
+    (tmp_path / tracefiles.AZURE).write_text("x")
+    assert require_trace(tracefiles.AZURE, environ={ENV: str(tmp_path)}) == tmp_path / tracefiles.AZURE
 
 
 # --------------------------------------------------------------------------- Mooncake
@@ -94,8 +116,20 @@ def test_reads_the_gateways_recordings(tmp_path: Path) -> None:
     assert _shared(keys.keys(a), keys.keys(b)) == 1024 // 16
 
 
-def test_real_mooncake_trace() -> None:
+def test_mooncake_slice() -> None:
     t = load_trace(MOONCAKE)
+    assert len(t) == 339 and t.block_tokens == 512
+    t.validate()
+    s = t.stats()
+    assert s.span_s == pytest.approx(117.0)
+    assert 0.05 < s.ideal_block_reuse < 0.20  # the first two minutes: the cache is still filling
+    assert TokenSynth.for_trace(t).overflow_parents == 0
+
+
+@pytest.mark.slow
+def test_real_mooncake_trace() -> None:
+    path = _full(tracefiles.MOONCAKE)
+    t = load_trace(path)
     assert len(t) == 5606 and t.block_tokens == 512
     t.validate()
     s = t.stats()
@@ -103,6 +137,8 @@ def test_real_mooncake_trace() -> None:
     assert 0.30 < s.ideal_block_reuse < 0.40
     synth = TokenSynth.for_trace(t)
     assert synth.overflow_parents == 0
+    cut = MOONCAKE.read_bytes()
+    assert path.read_bytes()[: len(cut)] == cut  # the shipped slice is the file's first lines
 
 
 def test_window_and_scale() -> None:
@@ -146,11 +182,22 @@ def test_azure_bad_input() -> None:
         parse_azure(["TIMESTAMP,ContextTokens,GeneratedTokens", "yesterday,1,2"])
 
 
-def test_real_azure_trace() -> None:
+def test_azure_slice() -> None:
     t = load_trace(AZURE)
-    assert len(t) == 19366 and t.span_s == pytest.approx(3501.72, abs=0.01)
+    assert len(t) == 200 and t.span_s == pytest.approx(61.2635, abs=1e-3)
     t.validate()
     assert detect_format(AZURE) == "azure"
+
+
+@pytest.mark.slow
+def test_real_azure_trace() -> None:
+    path = _full(tracefiles.AZURE)
+    t = load_trace(path)
+    assert len(t) == 19366 and t.span_s == pytest.approx(3501.72, abs=0.01)
+    t.validate()
+    assert detect_format(path) == "azure"
+    cut = AZURE.read_bytes()
+    assert path.read_bytes()[: len(cut)] == cut  # the shipped slice is the file's first lines
 
 
 def test_followups_extend_the_previous_prompt() -> None:
@@ -239,7 +286,7 @@ def test_overflow_parents_counted() -> None:
 
 def _trace_lcp(a: TraceRequest, b: TraceRequest, bt: int) -> int:
     j = 0
-    for x, y in zip(a.hash_ids, b.hash_ids):
+    for x, y in zip(a.hash_ids, b.hash_ids, strict=False):
         if x != y:
             break
         j += 1
@@ -250,7 +297,7 @@ def _trace_lcp(a: TraceRequest, b: TraceRequest, bt: int) -> int:
 
 def _shared(a: list[bytes], b: list[bytes]) -> int:
     n = 0
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):
         if x != y:
             break
         n += 1

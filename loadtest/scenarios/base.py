@@ -237,21 +237,24 @@ def worker_shares(run: Run, since_s: float = 0.0) -> dict[str, float]:
     return {w: c / total for w, c in counts.items()} if total else {}
 
 
-MOONCAKE_DEFAULT = "/work/shared/traces/mooncake_conversation_first_half.jsonl"
-
-
 def mooncake_slice(ctx: Context, limit: int, start_s: float = 0.0) -> Trace:
-    """The first `limit` requests (from `start_s`) of the Mooncake conversation trace
-    ($KVROUTE_MOONCAKE_TRACE or the shared copy); a synthetic multi-turn workload of
-    the same size, with a note, where the file is absent."""
-    import os
-
+    """The first `limit` requests (from `start_s`) of the Mooncake conversation trace:
+    the full file from $LOADTEST_TRACES, else the slice the tests ship (tests/data/traces/,
+    in a source checkout) where it holds that many; a synthetic multi-turn workload of
+    the same size, with a note, where neither does."""
+    from ..tracefiles import ENV, MOONCAKE, MOONCAKE_SLICE, find_trace
     from ..traces import load_trace
     from ..workloads import Sessions, session_workload
 
-    path = Path(os.environ.get("KVROUTE_MOONCAKE_TRACE", MOONCAKE_DEFAULT))
-    if path.is_file():
+    path = find_trace(MOONCAKE)
+    if path is not None:
         return load_trace(path).window(start_s=start_s, limit=limit)
-    ctx.note(f"{path} not found: using a synthetic multi-turn workload instead of the Mooncake trace")
+    if MOONCAKE_SLICE.is_file():
+        part = load_trace(MOONCAKE_SLICE).window(start_s=start_s, limit=limit)
+        if len(part) == limit:
+            ctx.note(f"{MOONCAKE} not in ${ENV}: the first {limit} requests come from the shipped slice")
+            return part
+    ctx.note(f"{MOONCAKE} not in ${ENV} (see README.md, Replaying traces): using a synthetic multi-turn "
+             "workload instead of the Mooncake trace")
     return session_workload("sessions", Sessions(sessions=max(1, limit // 4), turns=4), seed=ctx.seed).window(
         limit=limit)
