@@ -4,8 +4,7 @@ A scenario builds a workload, runs it through the offline simulator (policies ×
 sets, fault injections as timed actions), and states explicit checks. Each check is
 printed as `PASS name: detail` or `FAIL name: detail`, the numbers behind it go into
 the scenario's report (results.jsonl + report.md + plots), and the command's exit
-status says whether everything held. A check that needs something the simulated
-engine cannot do yet is reported as `PENDING` with what is missing — never faked.
+status says whether everything held.
 """
 from __future__ import annotations
 
@@ -29,7 +28,7 @@ from ..trace import Trace
 @dataclass(slots=True)
 class Check:
     name: str
-    status: str  # PASS | FAIL | PENDING
+    status: str  # PASS | FAIL
     detail: str
 
     def line(self) -> str:
@@ -99,12 +98,6 @@ class Context:
         if self.verbose:
             print(c.line(), flush=True)
         return ok
-
-    def pending(self, name: str, missing: str) -> None:
-        c = Check(name, "PENDING", missing)
-        self.checks.append(c)
-        if self.verbose:
-            print(c.line(), flush=True)
 
     def note(self, text: str) -> None:
         self.notes.append(text)
@@ -220,10 +213,8 @@ def finish(ctx: Context) -> ScenarioResult:
     res = ScenarioResult(ctx.name, list(ctx.checks), list(ctx.runs), report)
     if ctx.verbose:
         n_fail = sum(c.status == "FAIL" for c in ctx.checks)
-        n_pend = sum(c.status == "PENDING" for c in ctx.checks)
         verdict = "PASSED" if res.passed else "FAILED"
-        print(f"\nscenario {ctx.name}: {verdict} ({len(ctx.checks) - n_fail - n_pend} passed, {n_fail} failed, "
-              f"{n_pend} pending)")
+        print(f"\nscenario {ctx.name}: {verdict} ({len(ctx.checks) - n_fail} passed, {n_fail} failed)")
     return res
 
 
