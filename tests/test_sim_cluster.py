@@ -1,5 +1,6 @@
 """`python -m workers.cli sim-cluster`: N workers in one process, one ready line each then
-"ready", serving until SIGTERM; bad arguments exit 2 with a message."""
+"ready", serving until SIGTERM, text tokenized with `--tokenizer`; bad arguments exit 2
+with a message."""
 from __future__ import annotations
 
 import json
@@ -11,13 +12,16 @@ import time
 import urllib.request
 from pathlib import Path
 
+from router.tokenize import Tokenizer
+
 ROOT = Path(__file__).resolve().parents[1]
+QWEN_LIKE = ROOT / "tests" / "data" / "tokenizers" / "qwen2.5-style"
 
 
 def test_sim_cluster_cli_serves_and_stops() -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "workers.cli", "sim-cluster", "--workers", "3", "--profile", "tiny-cpu",
-         "--base-port", "0", "--remote-groups", "1"],
+         "--base-port", "0", "--remote-groups", "1", "--tokenizer", str(QWEN_LIKE)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "KVROUTE_PEER_TOKEN": "t"},
     )
@@ -43,6 +47,15 @@ def test_sim_cluster_cli_serves_and_stops() -> None:
             )
             with urllib.request.urlopen(req, timeout=5) as r:
                 assert json.load(r)["usage"]["completion_tokens"] == 2
+        messages = [{"role": "user", "content": "Hello, tokenizer of the gateway!"}]
+        req = urllib.request.Request(
+            fields["url"] + "/v1/chat/completions", data=json.dumps({"messages": messages, "max_tokens": 1}).encode(),
+            headers={"content-type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=5) as r:
+            prompt_tokens = json.load(r)["usage"]["prompt_tokens"]
+        gw = Tokenizer(QWEN_LIKE)
+        assert prompt_tokens == len(gw.encode_text(gw.render_chat(messages), False))
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=15) == 0
     finally:
@@ -54,7 +67,8 @@ def test_sim_cluster_cli_serves_and_stops() -> None:
 def test_sim_cluster_bad_arguments() -> None:
     for args in (["--workers", "0", "--profile", "tiny-cpu", "--base-port", "0"],
                  ["--workers", "1", "--profile", "nope", "--base-port", "0"],
-                 ["--workers", "2", "--profile", "tiny-cpu", "--base-port", "0", "--remote-groups", "3"]):
+                 ["--workers", "2", "--profile", "tiny-cpu", "--base-port", "0", "--remote-groups", "3"],
+                 ["--workers", "1", "--profile", "tiny-cpu", "--base-port", "0", "--tokenizer", "no/such/folder"]):
         r = subprocess.run([sys.executable, "-m", "workers.cli", "sim-cluster", *args], cwd=ROOT,
                            capture_output=True, text=True, timeout=30)
         assert r.returncode == 2 and r.stderr.startswith("error:"), (args, r.stderr)

@@ -15,7 +15,8 @@ BS = 4
 
 def run(eng: SimEngine | list[SimEngine], target: SimEngine, tokens: list[int], t: float, **kw: object):
     out: dict[str, object] = {}
-    target.submit(SimRequest(f"r{t}", len(tokens), 1, token_ids=tokens, on_first_token=lambda tt, u: out.setdefault("ft", tt),
+    target.submit(SimRequest(f"r{t}", len(tokens), 1, token_ids=tokens,
+                             on_first_token=lambda tt, u: out.setdefault("ft", tt),
                              on_finish=lambda tt, u: out.setdefault("u", u), **kw), t)  # type: ignore[arg-type]
     drain(eng)
     return out["ft"] - t, out["u"]  # type: ignore[operator]
@@ -41,7 +42,8 @@ def test_remote_outage_recomputes_then_recovers() -> None:
     written = store.blocks_written
     run(fleet, w1, toks(3), 4.0)  # w1 evicts: writes are skipped while down
     assert store.blocks_written == written and w1.kv.remote_write_skipped > 0
-    assert w1.match_tiers(BlockHasher.for_namespace(prof.namespace()).keys_for(toks(2), prof.namespace().scoped()))[0] is None
+    keys2 = BlockHasher.for_namespace(prof.namespace()).keys_for(toks(2), prof.namespace().scoped())
+    assert w1.match_tiers(keys2)[0] is None
     store.set_available(True)
     t_up, u = run(fleet, w0, toks(2), 5.0)  # w0's blocks of toks(2) left for the store earlier
     assert u.loaded_tokens["REMOTE"] + u.loaded_tokens["GPU"] > 0

@@ -2,18 +2,18 @@
 from memory minus weights, 128k context on the H200 profiles, every number sourced, and
 bad profiles refused with the field path.
 
-The block bytes are checked against the formula here and against router/kvsize.py
+The block bytes are checked against the formula here and against kvroute/kvsize.py
 (`load_model_geometry` + `kv_size`, `kv_bytes`).
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 from pathlib import Path
 
 import pytest
 
+from kvroute import kvsize
 from workers.sim.profile import PROFILES_DIR, ProfileError, load_profile, profile_from_dict
 
 NAMES = ["h200-llama3.1-8b", "h200-llama3.1-70b-tp8", "tiny-cpu"]
@@ -39,14 +39,12 @@ def test_block_bytes_formula(name: str) -> None:
 
 def test_known_values() -> None:
     assert load_profile("h200-llama3.1-8b").geometry.bytes_per_token == 131072  # DESIGN.md §1
-    assert load_profile("tiny-cpu").geometry.bytes_per_token == 4096  # FACTS.md
+    assert load_profile("tiny-cpu").geometry.bytes_per_token == 4096  # 2 · 4 layers · 2 heads · 64 · 4 B (fp32)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("router.kvsize") is None, reason="router/kvsize.py not written yet")
 @pytest.mark.parametrize("name", NAMES)
-def test_block_bytes_match_router_kvsize(name: str, tmp_path: Path) -> None:
-    """The same number from router.kvsize (a HF config.json of the profile's geometry)."""
-    kvsize = importlib.import_module("router.kvsize")
+def test_block_bytes_match_kvroute_kvsize(name: str, tmp_path: Path) -> None:
+    """The same number from `kvroute kv-size` (a HF config.json of the profile's geometry)."""
     p = load_profile(name)
     g = p.geometry
     dtype = {2: "bfloat16", 4: "float32"}[g.dtype_bytes]

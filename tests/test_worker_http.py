@@ -8,7 +8,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 import openai
@@ -64,6 +65,19 @@ async def post(http: aiohttp.ClientSession, url: str, body: object) -> tuple[int
         return r.status, await r.json()
 
 
+async def wait_until(predicate: Callable[[], bool | Awaitable[bool]], timeout: float = 5.0) -> None:
+    """Poll `predicate` (sync or async) until it holds; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = predicate()
+        if not isinstance(got, bool):
+            got = await got
+        if got:
+            return
+        assert time.monotonic() < deadline, f"condition not met within {timeout} s"
+        await asyncio.sleep(0.005)
+
+
 def ids(seed: int, n: int) -> list[int]:
     return [(seed * 131 + i * 17) % 30000 for i in range(n)]
 
@@ -105,18 +119,20 @@ async def test_completions_ids_and_text_usage_and_cache(cluster: SimCluster, htt
     st, b = await post(http, url + "/v1/completions", {"prompt": prompt, "max_tokens": 3})
     assert b["usage"]["prompt_tokens_details"]["cached_tokens"] == 96  # 24 of 25 blocks
     assert b["usage"]["kv"]["loaded_tokens"]["GPU"] == 96
-    st, c = await post(http, url + "/v1/completions", {"prompt": "hello there, simulated worker", "max_tokens": 4})
-    assert st == 200 and c["usage"]["prompt_tokens"] == len(b"hello there, simulated worker")
-    assert len(c["choices"][0]["text"]) == 4
+    text = "hello there, simulated worker"
+    st, c = await post(http, url + "/v1/completions", {"prompt": text, "max_tokens": 4})
+    assert st == 200 and c["usage"]["prompt_tokens"] == len(cluster.tokenizer.encode(text))
+    assert c["choices"][0]["text"] == cluster.tokenizer.filler(0, 4)[1]
 
 
 async def test_chat_stream_and_not(cluster: SimCluster, http: aiohttp.ClientSession) -> None:
     url = cluster.workers[1].url
+    filler = cluster.tokenizer.filler
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
     st, r = await post(http, url + "/v1/chat/completions", {"messages": msgs, "max_completion_tokens": 5})
     assert st == 200
     assert r["object"] == "chat.completion" and r["choices"][0]["message"]["role"] == "assistant"
-    assert len(r["choices"][0]["message"]["content"]) == 5 and r["usage"]["completion_tokens"] == 5
+    assert r["choices"][0]["message"]["content"] == filler(0, 5)[1] and r["usage"]["completion_tokens"] == 5
     chunks = await sse(http, url + "/v1/chat/completions",
                        {"messages": msgs, "max_tokens": 6, "stream": True, "stream_options": {"include_usage": True}})
     assert chunks[-1] == "[DONE]"
@@ -124,7 +140,7 @@ async def test_chat_stream_and_not(cluster: SimCluster, http: aiohttp.ClientSess
     assert all(c["object"] == "chat.completion.chunk" for c in body)
     assert body[0]["choices"][0]["delta"]["role"] == "assistant"
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in body if c["choices"])
-    assert len(text) == 6
+    assert text == filler(0, 6)[1]
     assert [c["choices"][0]["finish_reason"] for c in body if c["choices"]][-1] == "length"
     assert body[-1]["choices"] == [] and body[-1]["usage"]["completion_tokens"] == 6
     assert body[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # same template prefix as before
@@ -150,7 +166,7 @@ async def test_openai_sdk(cluster: SimCluster) -> None:
                 text += ch.choices[0].delta.content or ""
             if ch.usage:
                 usage = ch.usage
-        assert len(text) == 4 and usage is not None and usage.completion_tokens == 4
+        assert text == cluster.tokenizer.filler(0, 4)[1] and usage is not None and usage.completion_tokens == 4
         with pytest.raises(openai.NotFoundError):
             await client.completions.create(model="nope", prompt=[1, 2, 3], max_tokens=1)
         with pytest.raises(openai.BadRequestError):
@@ -207,13 +223,13 @@ async def test_queue_full_is_429_with_retry_after(http: aiohttp.ClientSession) -
     try:
         url = c.workers[0].url + "/v1/completions"
         tasks = [asyncio.ensure_future(post(http, url, {"prompt": ids(i, 8), "max_tokens": 12})) for i in range(2)]
-        for _ in range(200):  # until one runs and one waits
+
+        async def one_runs_one_waits() -> bool:
             async with http.get(c.workers[0].url + "/load") as r:
                 load = await r.json()
-            if load["running_requests"] == 1 and load["waiting_requests"] == 1:
-                break
-            await asyncio.sleep(0.005)
-        assert load["waiting_requests"] == 1
+            return bool(load["running_requests"] == 1 and load["waiting_requests"] == 1)
+
+        await wait_until(one_runs_one_waits)
         async with http.post(url, json={"prompt": ids(9, 8), "max_tokens": 2}) as r:
             assert r.status == 429 and int(r.headers["Retry-After"]) >= 1
             assert (await r.json())["error"]["type"] == "rate_limit_error"
@@ -237,16 +253,9 @@ async def test_disconnect_cancels(http: aiohttp.ClientSession) -> None:
         # a non-streaming request waiting behind another one, then abandoned
         blocker = asyncio.ensure_future(post(http, url, {"prompt": ids(2, 8), "max_tokens": 30}))
         waiting = asyncio.ensure_future(post(http, url, {"prompt": ids(3, 8), "max_tokens": 30}))
-        for _ in range(200):
-            if eng.counts()["waiting"] == 1 and eng.counts()["decoding"] == 1:
-                break
-            await asyncio.sleep(0.005)
-        assert eng.counts()["waiting"] == 1
+        await wait_until(lambda: eng.counts()["waiting"] == 1 and eng.counts()["decoding"] == 1)
         waiting.cancel()
-        for _ in range(100):
-            if eng.stats.cancelled >= 2:
-                break
-            await asyncio.sleep(0.02)
+        await wait_until(lambda: eng.stats.cancelled >= 2)
         assert eng.stats.cancelled == 2
         assert (await blocker)[0] == 200
     finally:
@@ -298,7 +307,8 @@ async def test_load_info_health_metrics(cluster: SimCluster, http: aiohttp.Clien
     async with http.get(w.url + "/metrics") as r:
         text = await r.text()
     for m in ("kvroute_worker_requests_total", "kvroute_worker_ttft_seconds_bucket", "kvroute_worker_blocks_used",
-              "kvroute_worker_cached_tokens_total", "kvroute_worker_evicted_blocks_total", "kvroute_worker_est_queue_seconds"):
+              "kvroute_worker_cached_tokens_total", "kvroute_worker_evicted_blocks_total",
+              "kvroute_worker_est_queue_seconds"):
         assert m in text, m
     w.driver.draining = True
     async with http.get(w.url + "/health") as r:
@@ -319,11 +329,10 @@ async def test_prefetch_cancel_and_hit(http: aiohttp.ClientSession) -> None:
         for p in (a, b, d):  # 25 blocks each, GPU holds 40: a and b end up on CPU
             assert (await post(http, w.url + "/v1/completions", {"prompt": p, "max_tokens": 1}))[0] == 200
         ka, kb = keys_of(info, a), keys_of(info, b)
-        st, r1 = await post(http, w.url + "/kv/prefetch",
-                            {"prefetch_id": "pa", "keys_b64": base64.b64encode(b"".join(ka)).decode(), "deadline_ms": 5000})
+        qa, qb = (base64.b64encode(b"".join(k)).decode() for k in (ka, kb))
+        st, r1 = await post(http, w.url + "/kv/prefetch", {"prefetch_id": "pa", "keys_b64": qa, "deadline_ms": 5000})
         assert st == 202 and r1["accepted_blocks"] > 0 and r1["queued"] is True
-        st, r2 = await post(http, w.url + "/kv/prefetch",
-                            {"prefetch_id": "pb", "keys_b64": base64.b64encode(b"".join(kb)).decode(), "deadline_ms": 5000})
+        st, r2 = await post(http, w.url + "/kv/prefetch", {"prefetch_id": "pb", "keys_b64": qb, "deadline_ms": 5000})
         assert st == 202 and r2["accepted_blocks"] > 0
         st, dup = await post(http, w.url + "/kv/prefetch",
                              {"prefetch_id": "pb", "keys_b64": base64.b64encode(ka[0]).decode()})
@@ -332,7 +341,7 @@ async def test_prefetch_cancel_and_hit(http: aiohttp.ClientSession) -> None:
             assert r.status == 200 and (await r.json())["cancelled"] is True
         async with http.get(w.url + "/load") as r:
             assert (await r.json())["prefetch_queue"] == 1
-        await asyncio.sleep(r1["accepted_blocks"] * 128 / 5000.0 + 0.1)  # pa lands
+        await wait_until(lambda: w.engine.counts()["prefetches"] == 0)  # pa landed
         st, res = await post(http, w.url + "/v1/completions", {"prompt": a, "max_tokens": 1})
         kv = res["usage"]["kv"]
         assert r1["accepted_blocks"] == 25  # all of a's blocks were on CPU
@@ -363,7 +372,7 @@ async def test_peer_export_and_pull(cluster: SimCluster, http: aiohttp.ClientSes
     st, r = await post(http, w1.url + "/kv/prefetch", {"prefetch_id": "peer", "keys_b64": q,
                                                          "source_peer": {"url": w0.url, "worker_id": "w0"}})
     assert st == 202 and r["accepted_blocks"] == len(keys)
-    await asyncio.sleep(0.1)
+    await wait_until(lambda: w1.engine.counts()["prefetches"] == 0)
     st, res = await post(http, w1.url + "/v1/completions", {"prompt": p, "max_tokens": 1})
     assert res["usage"]["kv"]["loaded_tokens"]["PEER"] == (len(keys) - 1) * 4  # last block recomputed
     # a worker in another process (another cluster): the pull asks w0 over HTTP
@@ -374,7 +383,7 @@ async def test_peer_export_and_pull(cluster: SimCluster, http: aiohttp.ClientSes
         st, r = await post(http, x0.url + "/kv/prefetch", {"prefetch_id": "far", "keys_b64": q,
                                                              "source_peer": {"url": w0.url, "worker_id": "w0"}})
         assert st == 202 and r["accepted_blocks"] == len(keys)
-        await asyncio.sleep(0.1)
+        await wait_until(lambda: x0.engine.counts()["prefetches"] == 0)
         st, res = await post(http, x0.url + "/v1/completions", {"prompt": p, "max_tokens": 1})
         assert res["usage"]["kv"]["loaded_tokens"]["PEER"] == (len(keys) - 1) * 4
         st, err = await post(http, x0.url + "/kv/prefetch", {"prefetch_id": "gone", "keys_b64": q,
@@ -413,20 +422,31 @@ async def test_zmq_subscriber_gets_events_and_replay(cluster: SimCluster, http: 
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.connect(info["events"]["replay_endpoint"])
+    warmups = iter(range(1000, 2000))
+
+    async def subscribed() -> bool:
+        """A PUB socket drops what it sends before the subscription reaches it: send
+        one-block requests until the subscriber receives their events."""
+        await post(http, w.url + "/v1/completions", {"prompt": ids(next(warmups), 8), "max_tokens": 1})
+        return bool(await sub.poll(50))
+
     try:
-        await asyncio.sleep(0.2)  # let the subscription reach the publisher
+        await wait_until(subscribed)
         p = ids(21, 50)
         await post(http, w.url + "/v1/completions", {"prompt": p, "max_tokens": 2, "cache_salt": "t:z"})
+        keys = keys_of(info, p, "t:z")
         dec = EventDecoder()
-        topic, seq_b, payload = await asyncio.wait_for(sub.recv_multipart(), 5)
-        assert topic == b"kv"
+        stored: list[BlockStored] = []
+        while not stored:  # skip the warm-up batches: the batch that stores p's blocks
+            topic, seq_b, payload = await asyncio.wait_for(sub.recv_multipart(), 5)
+            assert topic == b"kv"
+            batch = dec.decode(payload)
+            stored = [e for e in batch.events if isinstance(e, BlockStored) and e.block_hashes[0] == digests64(keys)[0]]
         seq = seq_from_bytes(seq_b)
-        batch = dec.decode(payload)
         stored = [e for e in batch.events if isinstance(e, BlockStored)]
-        assert stored and stored[0].medium == "GPU" and stored[0].block_size == 4
+        assert stored[0].medium == "GPU" and stored[0].block_size == 4
         hashes = [h for e in stored for h in e.block_hashes]
         toks = [t for e in stored for t in e.token_ids]
-        keys = keys_of(info, p, "t:z")
         assert hashes == digests64(keys) and toks == p[: len(keys) * 4]
         assert stored[0].parent_block_hash is None and stored[0].extra_keys[0] == ("t:z",)
         # replay from that sequence: the same batch again, then the end marker

@@ -11,13 +11,14 @@ usage. Everything an engine needs to plug in is here:
   set, or raises `EngineError` mid-way (the app sends an error event; never silent).
 - `prefetch`, `cancel_prefetch`, `purge`, `export_blocks`: the `/kv/*` endpoints.
 - `info()`, `load()`: the `/info` (minus URL and event endpoints, which the server adds)
-  and `/load` bodies of docs/wire.md, as the `kvwire` structs the gateway decodes; `counters()`: engine counters for `/metrics`.
+  and `/load` bodies of docs/wire.md, as the `kvwire` structs the gateway decodes.
+- `counters()`: engine counters for `/metrics`.
 - `draining`: when True, new generations get 503 and `/health` says "draining".
 """
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvwire import LoadReport, WorkerInfo
@@ -104,8 +105,10 @@ class Tokenizer(Protocol):
 
 class Engine(Protocol):
     worker_id: str
-    tokenizer: Tokenizer
     draining: bool
+
+    @property
+    def tokenizer(self) -> Tokenizer: ...
 
     async def start(self) -> None: ...
 

@@ -2,13 +2,15 @@
 
     python -m workers.cli sim-cluster --workers N --profile NAME --base-port P
         [--host 127.0.0.1] [--events-base-port Q] [--remote-groups G] [--max-waiting M]
-        [--block-size B] [--peer-token T] [--id-prefix w]
+        [--block-size B] [--peer-token T] [--id-prefix w] [--tokenizer DIR]
 
 Runs N simulated workers in this process (one asyncio loop on uvloop, one uvicorn
 server with httptools each), prints one line per worker —
 `worker w0 url=http://127.0.0.1:9000 events=tcp://127.0.0.1:5600 replay=tcp://... remote_group=rg0`
 — then `ready`, and serves until SIGINT/SIGTERM. The peer token for `/kv/blocks`
-comes from `--peer-token` or $KVROUTE_PEER_TOKEN (otherwise peer export is off).
+comes from `--peer-token` or $KVROUTE_PEER_TOKEN (otherwise peer export is off). Text
+and chat prompts are tokenized with the profile's tokenizer folder unless `--tokenizer`
+names another (use the gateway's folder for the gateway's ids).
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import signal
 import sys
 
 from workers.sim.profile import ProfileError, load_profile
+from workers.sim.tokenizer import TokenizerError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -30,12 +33,15 @@ def _parser() -> argparse.ArgumentParser:
     sc.add_argument("--profile", required=True, help="profile name in configs/profiles or a YAML path")
     sc.add_argument("--base-port", type=int, required=True, help="HTTP port of worker 0 (worker i: +i; 0 = any free)")
     sc.add_argument("--host", default="127.0.0.1")
-    sc.add_argument("--events-base-port", type=int, default=None, help="PUB port of worker 0 (worker i: +2i, replay +2i+1)")
+    sc.add_argument("--events-base-port", type=int, default=None,
+                    help="PUB port of worker 0 (worker i: +2i, replay +2i+1)")
     sc.add_argument("--remote-groups", type=int, default=0, help="workers split into G groups sharing a REMOTE store")
     sc.add_argument("--max-waiting", type=int, default=None, help="waiting-queue cap per worker (429 beyond)")
     sc.add_argument("--block-size", type=int, default=None, help="override the profile's KV block size")
     sc.add_argument("--peer-token", default=None, help="bearer token for /kv/blocks (default $KVROUTE_PEER_TOKEN)")
     sc.add_argument("--id-prefix", default="w", help="worker ids are PREFIX0..PREFIX{N-1}")
+    sc.add_argument("--tokenizer", default=None, metavar="DIR",
+                    help="Hugging Face tokenizer folder for text and chat prompts (default: the profile's)")
     sc.add_argument("--arrival-log", default=None, metavar="FILE",
                     help="append `monotonic_s worker request_id prompt_tokens` per accepted request "
                          "(to measure the HTTP path: bench/transport_probe.py)")
@@ -76,8 +82,9 @@ async def _sim_cluster(args: argparse.Namespace) -> int:
             peer_token=args.peer_token or os.environ.get("KVROUTE_PEER_TOKEN") or None,
             id_prefix=args.id_prefix,
             arrival_log=args.arrival_log,
+            tokenizer=args.tokenizer,
         )
-    except (ProfileError, ValueError) as e:
+    except (ProfileError, TokenizerError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     stop = asyncio.Event()

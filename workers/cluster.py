@@ -3,7 +3,8 @@
 Used by `python -m workers.cli sim-cluster` and by tests. Each worker gets its own
 SimEngine, KV-event publisher (PUB + replay ROUTER on one shared ZMQ context) and HTTP
 app (workers/app.py, the same app the real engine will use). Workers of a remote group
-share one `RemoteStore` object. Ports: HTTP `base_port + i` (0 = any free port), events
+share one `RemoteStore` object, and all share one tokenizer (the profile's folder, or
+the one given). Ports: HTTP `base_port + i` (0 = any free port), events
 `events_base_port + 2i` and replay `+ 2i + 1` (None = any free port); the bound
 addresses are in each `WorkerHandle` and in the worker's /info.
 """
@@ -15,6 +16,7 @@ import logging
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TextIO
 
 import uvicorn
@@ -27,6 +29,7 @@ from workers.sim.driver import SimDriver
 from workers.sim.engine import SimEngine
 from workers.sim.profile import SimProfile
 from workers.sim.remote import RemoteStore
+from workers.sim.tokenizer import SimTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +103,7 @@ class SimCluster:
         id_prefix: str = "w",
         topic: str = "kv",
         arrival_log: str | None = None,
+        tokenizer: str | Path | None = None,
     ) -> None:
         if workers < 1:
             raise ValueError("--workers must be at least 1")
@@ -118,6 +122,7 @@ class SimCluster:
         self.id_prefix = id_prefix
         self.topic = topic
         self.arrival_log = arrival_log
+        self.tokenizer = SimTokenizer(tokenizer if tokenizer is not None else self.profile.tokenizer_dir())
         self._arrivals: TextIO | None = None
         self.workers: list[WorkerHandle] = []
         self.stores: list[RemoteStore] = []
@@ -145,7 +150,7 @@ class SimCluster:
                 pub.start()
                 store = self.stores[i * len(self.stores) // self.n] if self.stores else None
                 engine = SimEngine(wid, p, remote=store, on_events=pub.publish, max_waiting=self.max_waiting)
-                driver = SimDriver(engine, peers=peers, peer_token=self.peer_token)
+                driver = SimDriver(engine, peers=peers, peer_token=self.peer_token, tokenizer=self.tokenizer)
                 driver.publisher_stats = pub
                 driver.on_arrival = self._log_arrival if self.arrival_log else None
                 await driver.start()

@@ -44,7 +44,8 @@ class _EngineCollector(Collector):
         yield cap
         for name, values in self.engine.counters().items():
             labelled = any(values)
-            c = CounterMetricFamily(f"kvroute_worker_{name}", name.replace("_", " "), labels=["tier"] if labelled else None)
+            labels = ["tier"] if labelled else None
+            c = CounterMetricFamily(f"kvroute_worker_{name}", name.replace("_", " "), labels=labels)
             for label, v in values.items():
                 c.add_metric([label] if labelled else [], float(v))
             yield c
@@ -58,14 +59,18 @@ class WorkerMetrics:
             "kvroute_worker_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r
         )
         self.ttft = Histogram("kvroute_worker_ttft_seconds", "Time to first token", buckets=_TTFT_BUCKETS, registry=r)
-        self.queue = Histogram("kvroute_worker_queue_seconds", "Time waiting before scheduling", buckets=_TTFT_BUCKETS, registry=r)
+        self.queue = Histogram(
+            "kvroute_worker_queue_seconds", "Time waiting before scheduling", buckets=_TTFT_BUCKETS, registry=r
+        )
         self.prompt_tokens = Counter("kvroute_worker_prompt_tokens", "Prompt tokens", registry=r)
         self.completion_tokens = Counter("kvroute_worker_completion_tokens", "Generated tokens", registry=r)
         self.loaded_tokens = Counter(
             "kvroute_worker_cached_tokens", "Prompt tokens served from cache, by tier", ["tier"], registry=r
         )
         self.recomputed_tokens = Counter("kvroute_worker_recomputed_tokens", "Prompt tokens prefilled", registry=r)
-        self.prefetched_tokens = Counter("kvroute_worker_prefetched_tokens", "Prompt tokens a prefetch raised", registry=r)
+        self.prefetched_tokens = Counter(
+            "kvroute_worker_prefetched_tokens", "Prompt tokens a prefetch raised", registry=r
+        )
         self._tier_children = {t: self.loaded_tokens.labels(t) for t in LOAD_TIERS}
         r.register(_EngineCollector(engine))
 

@@ -56,7 +56,7 @@ class KVEventPublisher:
         self._hwm = hwm
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer)
         self._seq = 0
-        self._pub: zmq.Socket | None = None
+        self._pub: zmq.Socket[bytes] | None = None
         self._replay: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
         self.endpoint = ""
@@ -66,13 +66,9 @@ class KVEventPublisher:
         self.dropped = 0
         self.replays = 0
 
-    @property
-    def next_seq(self) -> int:
-        return self._seq
-
     def start(self) -> None:
         """Bind both sockets and start serving replays (on the running loop)."""
-        sync_ctx = zmq.Context.shadow(self._actx.underlying)
+        sync_ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.shadow(self._actx.underlying)
         pub = sync_ctx.socket(zmq.PUB)
         pub.setsockopt(zmq.LINGER, 0)
         pub.setsockopt(zmq.SNDHWM, self._hwm)

@@ -1,19 +1,8 @@
 """Real-time driver: the `workers.api.Engine` interface over a `SimEngine` on asyncio.
 
-The engine's clock is the event loop's (`loop.time()`, monotonic). After every change
-the driver asks the engine for its next event time and arms one `loop.call_at` for it;
-the timer advances the engine, whose callbacks feed the per-request streams. So the
-cost is one timer per engine event (a step end, a transfer) plus, per request, one
-wake-up per step while it streams: nothing per token beyond producing the SSE chunk.
-
-A timer may fire a little early (uvloop rounds to the millisecond): the driver then
-advances to the scheduled time, so simulated time never runs behind and every
-callback reports the engine's exact event time.
-
-Peer pulls (`source_peer` of /kv/prefetch): a peer in the same process (sim-cluster)
-is resolved directly; another process is asked over HTTP (`POST /kv/blocks` with the
-peer token and `meta: true`) which blocks it holds, and those are priced over this
-worker's PEER link.
+The engine's clock is the event loop's: one `loop.call_at` timer armed for the engine's
+next event, so a simulated worker costs a timer per engine event and a wake-up per step
+per streaming request, nothing per token. Timers, peer pulls: docs/sim-engine.md § Driver.
 """
 from __future__ import annotations
 
@@ -29,14 +18,13 @@ import aiohttp
 
 from kvindex.tiers import Tier
 from kvwire import LoadReport, WorkerInfo
-
 from workers.api import BlockExport, GenChunk, GenRequest, PrefetchResult, PrefetchSpec
 from workers.errors import BadRequest, Draining, EngineError
 from workers.usage import Usage
 
+from .blockmeta import BlockMeta
 from .engine import SimEngine, SimRequest
-from .kvcache import BlockMeta
-from .tokenizer import ByteTokenizer, filler_tokens
+from .tokenizer import SimTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +85,7 @@ class _SimStream:
             n = self._pending
             if n:
                 self._pending = 0
-                ids, text = filler_tokens(self._pos, n)
+                ids, text = self._driver.tokenizer.filler(self._pos, n)
                 self._pos += n
                 yield GenChunk(ids, text)
                 continue
@@ -173,10 +161,11 @@ class SimDriver:
         peers: Mapping[str, SimEngine] | None = None,
         peer_token: str | None = None,
         peer_timeout_s: float = 2.0,
+        tokenizer: SimTokenizer | None = None,
     ) -> None:
         self.engine = engine
         self.worker_id = engine.worker_id
-        self.tokenizer = ByteTokenizer()
+        self.tokenizer = tokenizer if tokenizer is not None else SimTokenizer(engine.profile.tokenizer_dir())
         self.draining = False
         self._peers = peers if peers is not None else {}
         self._peer_token = peer_token
@@ -362,7 +351,7 @@ class SimDriver:
                 if r.status != 200:
                     raise BadRequest(f"peer {url} answered {r.status} to /kv/blocks", param="source_peer")
                 data = await r.json()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        except (TimeoutError, aiohttp.ClientError) as e:
             raise BadRequest(f"peer {url} unreachable: {e!r}", param="source_peer") from None
         held: dict[bytes, Tier] = {}
         metas: dict[bytes, BlockMeta] = {}

@@ -1,57 +1,23 @@
-"""The simulated worker's tiered KV cache: GPU block pool + CPU, DISK and REMOTE tiers.
+"""The simulated worker's tiered KV cache: a vLLM-like GPU block pool with prefix caching
+over inclusive CPU, DISK and REMOTE tiers, publishing every change as a KV event.
 
-GPU pool (vLLM-like prefix caching)
-    `capacity` blocks. A block holding a full prompt block is *keyed* (findable by
-    its chained key); blocks a running request needs for its partial last block and
-    its decode tokens are *anonymous* (only counted). Keyed blocks carry a reference
-    count: pinned while a running request uses them, evictable (in `lru`, oldest
-    first) at zero. A request reserves all the blocks it will ever need when it is
-    scheduled (prompt + max_tokens), so nothing is preempted later; cached blocks are
-    evicted lazily, only when a reservation or a landing needs the room.
-
-Lower tiers (inclusive: a block may sit in several at once)
-    GPU eviction writes the block to CPU (and to the group's REMOTE store when
-    `remote_write` is "evict"); CPU eviction writes it to DISK if the SSD admission
-    filter admits it, else drops it; DISK eviction drops it. Each tier is LRU. Loads
-    copy a block up to GPU and leave the lower copy in place. Offload writes are
-    treated as free (they overlap compute, as offload connectors do them in the
-    background); their volume is counted.
-
-Eviction order keeps chains whole: a request's blocks are released tail first and
-loads touch children first, so a parent is always more recent than its children and
-a prefix is never cut in the middle by LRU alone.
-
-Events (only when enabled): every change of a tier's content is one `BlockStored` /
-`BlockRemoved` with that tier's `medium`, in the order the changes happen (a block
-moving GPU→CPU: `BlockStored(CPU)` then `BlockRemoved(GPU)`), so a subscriber that
-applies them holds exactly `snapshot()`. Stored blocks are grouped into chain runs
-(one event per run, parent = the run's first parent), as vLLM batches them. To publish
-`token_ids` the cache keeps each resident block's metadata (parent key, token ids,
-extra keys); with events off it keeps nothing per block beyond the tier maps.
+Why one object: placement, eviction cascades (GPU→CPU→DISK) and the events that describe
+them must stay in step, so a subscriber applying the events holds exactly `snapshot()`.
+Pool, tiers, eviction order and events: docs/sim-engine.md § The tiered KV cache.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
-from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from kvindex.keys import digest64, digests64
+from kvindex.events import AllBlocksCleared, BlockRemoved, KVEvent
 from kvindex.tiers import Tier
 from kvwire import BlockCounts
 
 from .admission import AdmissionFilter
+from .blockmeta import BlockMeta, block_hashes, stored_events
 from .remote import RemoteStore
-
-
-class BlockMeta(NamedTuple):
-    """What `BlockStored` needs about a block: parent key, its tokens, extra keys, LoRA."""
-
-    parent: bytes | None
-    tokens: Sequence[int]
-    offset: int
-    extra: tuple[Any, ...] | None
-    lora: str | None
 
 
 class TieredKV:
@@ -268,7 +234,7 @@ class TieredKV:
             self.write_remote(victims)
         self._place(0, victims)
         if self.events_on:
-            self.events.append(BlockRemoved(digests64(victims), "GPU"))
+            self.events.append(BlockRemoved(block_hashes(victims), "GPU"))
             if not self._lower:
                 self._forget(victims)
 
@@ -309,7 +275,7 @@ class TieredKV:
                 damaged.difference_update(ev)
             self._place(level + 1, ev)  # the lower copy is written before this one is freed
             if self.events_on:
-                self.events.append(BlockRemoved(digests64(ev), tier.name))
+                self.events.append(BlockRemoved(block_hashes(ev), tier.name))
         if self.events_on and len(cand) != len(victims):
             keep = set(cand)
             self._forget([k for k in victims if k not in keep])
@@ -341,7 +307,7 @@ class TieredKV:
             if new:
                 self._emit_stored(Tier.REMOTE, new, remote.meta)
             if evicted:
-                self.events.append(BlockRemoved(digests64(evicted), "REMOTE"))
+                self.events.append(BlockRemoved(block_hashes(evicted), "REMOTE"))
 
     def tier_of(self, key: bytes) -> Tier | None:
         """Fastest tier holding a block."""
@@ -422,7 +388,7 @@ class TieredKV:
             for k in gone:
                 del od[k]
         if gone and self.events_on:
-            self.events.append(BlockRemoved(digests64(gone), tier.name))
+            self.events.append(BlockRemoved(block_hashes(gone), tier.name))
         return bad
 
     # ------------------------------------------------------------------ metadata
@@ -443,7 +409,8 @@ class TieredKV:
         for i in range(start, end):
             k = keys[i]
             if k not in meta:
-                meta[k] = new(BlockMeta, (keys[i - 1] if i else None, tokens, i * bs, extra[i] if extra else None, lora))
+                parent = keys[i - 1] if i else None
+                meta[k] = new(BlockMeta, (parent, tokens, i * bs, extra[i] if extra else None, lora))
 
     def copy_meta(self, keys: Sequence[bytes], source: Mapping[bytes, BlockMeta]) -> bool:
         """Metadata from another holder (the remote store, a peer); False if any is missing."""
@@ -461,72 +428,8 @@ class TieredKV:
     # ------------------------------------------------------------------ events
 
     def _emit_stored(self, tier: Tier, keys: list[bytes], meta: Mapping[bytes, BlockMeta] | None = None) -> None:
-        """One BlockStored per chain run among `keys` (runs may come in either direction)."""
-        meta = meta if meta is not None else self.meta
-        runs: list[list[bytes]] = []
-        run: list[bytes] = []
-        direction = 0  # +1 forward (child after parent), -1 backward
-        last_parent: bytes | None = None
-        for k in keys:
-            m = meta[k]
-            if run:
-                if direction >= 0 and m.parent == run[-1]:
-                    run.append(k)
-                    direction = 1
-                    last_parent = m.parent
-                    continue
-                if direction <= 0 and last_parent == k:
-                    run.append(k)
-                    direction = -1
-                    last_parent = m.parent
-                    continue
-                if direction < 0:
-                    run.reverse()
-                runs.append(run)
-            run = [k]
-            direction = 0
-            last_parent = m.parent
-        if run:
-            if direction < 0:
-                run.reverse()
-            runs.append(run)
-        if len(runs) > 1:
-            runs = _parents_first(runs, meta)
-        bs = self.block_size
-        medium = tier.name
-        append = self.events.append
-        for run in runs:
-            first = meta[run[0]]
-            toks: list[int] = []
-            extras: list[tuple[Any, ...] | None] = []
-            has_extra = False
-            # consecutive blocks of one request's token list: one slice per stretch
-            src: Sequence[int] | None = None
-            lo = hi = 0
-            for k in run:
-                m = meta[k]
-                if m.tokens is src and m.offset == hi:
-                    hi += bs
-                else:
-                    if src is not None:
-                        toks.extend(src[lo:hi])
-                    src, lo, hi = m.tokens, m.offset, m.offset + bs
-                extras.append(m.extra)
-                if m.extra:
-                    has_extra = True
-            if src is not None:
-                toks.extend(src[lo:hi])
-            append(
-                BlockStored(
-                    block_hashes=digests64(run),
-                    parent_block_hash=digest64(first.parent) if first.parent is not None else None,
-                    token_ids=toks,
-                    block_size=bs,
-                    medium=medium,
-                    lora_name=first.lora,
-                    extra_keys=extras if has_extra else None,
-                )
-            )
+        """One BlockStored per chain run among `keys`."""
+        self.events.extend(stored_events(tier, keys, meta if meta is not None else self.meta, self.block_size))
 
     def take_events(self) -> list[KVEvent]:
         ev = self.events
@@ -607,9 +510,9 @@ class TieredKV:
             else:
                 for tier, gone in removed_by_tier:
                     if gone:
-                        self.events.append(BlockRemoved(digests64(gone), tier.name))
+                        self.events.append(BlockRemoved(block_hashes(gone), tier.name))
             if remote_gone:
-                self.events.append(BlockRemoved(digests64(remote_gone), "REMOTE"))
+                self.events.append(BlockRemoved(block_hashes(remote_gone), "REMOTE"))
             for k in dropped:
                 self.meta.pop(k, None)
         return dropped
@@ -641,24 +544,3 @@ class TieredKV:
             r = self.remote
             out["REMOTE"] = BlockCounts(len(r), r.capacity_blocks - len(r), r.capacity_blocks)
         return out
-
-
-def _parents_first(runs: list[list[bytes]], meta: Mapping[bytes, BlockMeta]) -> list[list[bytes]]:
-    """Order chain runs so that a run whose parent block is in another run comes after it
-    (a subscriber resolves each block's parent when it applies the event)."""
-    where: dict[bytes, int] = {}
-    for ri, run in enumerate(runs):
-        for k in run:
-            where[k] = ri
-    seen = [False] * len(runs)
-    out: list[list[bytes]] = []
-    for ri in range(len(runs)):
-        stack: list[int] = []
-        r: int | None = ri
-        while r is not None and not seen[r]:
-            seen[r] = True
-            stack.append(r)
-            p = meta[runs[r][0]].parent
-            r = where.get(p) if p is not None else None
-        out.extend(runs[x] for x in reversed(stack))
-    return out

@@ -7,7 +7,8 @@ and the tiers below GPU (capacity, read bandwidth, latency). Capacities are stor
 bytes so a block-size override keeps memory the same and only changes the block count.
 
 The YAML is validated with pydantic (field paths in errors); inside, profiles are
-frozen dataclasses.
+frozen dataclasses. A profile also names the model's tokenizer folder (relative paths:
+next to the profile file if found there, else under the repository's configs/).
 """
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ from pydantic import ConfigDict, TypeAdapter, ValidationError
 from kvindex.keys import Namespace
 
 _STRICT = ConfigDict(extra="forbid")
-PROFILES_DIR = Path(__file__).resolve().parents[2] / "configs" / "profiles"
+CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
+PROFILES_DIR = CONFIGS_DIR / "profiles"
+DEFAULT_TOKENIZER = "assets/tiny-tokenizer"  # under CONFIGS_DIR: the gateway's default too
 
 
 class ProfileError(ValueError):
@@ -62,7 +65,9 @@ class ComputeModel:
     def prefill_s(self, n: int, c: int) -> float:
         if n <= 0:
             return 0.0
-        return self.prefill_overhead_s + n / self.prefill_tokens_per_s + self.prefill_attn_s_per_token2 * n * (c + n / 2)
+        return (
+            self.prefill_overhead_s + n / self.prefill_tokens_per_s + self.prefill_attn_s_per_token2 * n * (c + n / 2)
+        )
 
     def decode_step_s(self, batch: int, ctx_tokens: int) -> float:
         if batch <= 0:
@@ -149,6 +154,9 @@ class SimProfile:
     # copy) or as soon as they are computed ("compute", LMCache-style write-through).
     remote_write: Literal["evict", "compute"] = "evict"
     event_replay_buffer: int = 10000
+    # The model's Hugging Face tokenizer folder (tokenizer.json + chat template), for
+    # clients that send text: absolute, or relative to configs/.
+    tokenizer: str = DEFAULT_TOKENIZER
     notes: str = ""
 
     def __post_init__(self) -> None:
@@ -186,6 +194,11 @@ class SimProfile:
     def names(self) -> tuple[str, ...]:
         return self.served_model_names or (self.model,)
 
+    def tokenizer_dir(self) -> Path:
+        """The tokenizer folder, whatever the working directory."""
+        p = Path(self.tokenizer)
+        return p if p.is_absolute() else CONFIGS_DIR / p
+
 
 _ADAPTER = TypeAdapter(SimProfile)
 
@@ -212,6 +225,9 @@ def load_profile(name_or_path: str | os.PathLike[str]) -> SimProfile:
         raise ProfileError(f"{p}: not valid YAML: {e}") from None
     if not isinstance(data, dict):
         raise ProfileError(f"{p}: a profile is a mapping")
+    tok = data.get("tokenizer")
+    if isinstance(tok, str) and not Path(tok).is_absolute() and (p.parent / tok).is_dir():
+        data["tokenizer"] = str((p.parent / tok).resolve())
     try:
         return profile_from_dict(data)
     except ProfileError as e:

@@ -46,7 +46,9 @@ class RemoteStore:
     def __len__(self) -> int:
         return len(self.blocks)
 
-    def put(self, keys: list[bytes], metas: dict[bytes, Any] | None, block_bytes: int) -> tuple[list[bytes], list[bytes]]:
+    def put(
+        self, keys: list[bytes], metas: dict[bytes, Any] | None, block_bytes: int
+    ) -> tuple[list[bytes], list[bytes]]:
         """Store blocks (touching those already present); returns (new keys, evicted keys)."""
         blocks = self.blocks
         new = [k for k in keys if k not in blocks]

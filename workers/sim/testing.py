@@ -57,8 +57,10 @@ def make_profile(
         decode_per_ctx_token_s=1e-6,
     )
 
-    def tier(blocks: int, bps: float, **kw: float) -> TierSpec | None:
-        return TierSpec(capacity_bytes=blocks * bb, read_Bps=bps, latency_s=latency_s, **kw) if blocks else None
+    def tier(blocks: int, bps: float, admit_after_uses: int = 1, admit_window_s: float = 600.0) -> TierSpec | None:
+        if not blocks:
+            return None
+        return TierSpec(blocks * bb, bps, latency_s, admit_after_uses=admit_after_uses, admit_window_s=admit_window_s)
 
     return SimProfile(
         name=name,

@@ -1,0 +1,123 @@
+"""What a `BlockStored` event says about each block (`BlockMeta`), and how blocks stored
+together become events: one per chain run, parents first.
+
+Apart from the cache because it is the wire side of a block (docs/wire.md § KV events),
+shared with the driver (peer export and import of metadata) and the loader.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple, cast
+
+from kvindex.events import BlockHash, BlockStored
+from kvindex.keys import digest64, digests64
+from kvindex.tiers import Tier
+
+
+class BlockMeta(NamedTuple):
+    """What `BlockStored` needs about a block: parent key, its tokens, extra keys, LoRA."""
+
+    parent: bytes | None
+    tokens: Sequence[int]
+    offset: int
+    extra: tuple[Any, ...] | None
+    lora: str | None
+
+
+def block_hashes(keys: Sequence[bytes]) -> list[BlockHash]:
+    """The blocks' hashes as our events carry them: digest64 of each key (docs/wire.md)."""
+    return cast("list[BlockHash]", digests64(keys))
+
+
+def stored_events(tier: Tier, keys: list[bytes], meta: Mapping[bytes, BlockMeta], block_size: int) -> list[BlockStored]:
+    """One BlockStored per chain run among `keys` (as vLLM batches them), runs ordered so
+    that a subscriber always knows a block's parent when it applies the event."""
+    runs = _chain_runs(keys, meta)
+    if len(runs) > 1:
+        runs = _parents_first(runs, meta)
+    return [_stored(run, meta, block_size, tier.name) for run in runs]
+
+
+def _chain_runs(keys: list[bytes], meta: Mapping[bytes, BlockMeta]) -> list[list[bytes]]:
+    """`keys` cut into chain runs, each in parent-to-child order (runs may come in either direction)."""
+    runs: list[list[bytes]] = []
+    run: list[bytes] = []
+    direction = 0  # +1 forward (child after parent), -1 backward
+    last_parent: bytes | None = None
+    for k in keys:
+        m = meta[k]
+        if run:
+            if direction >= 0 and m.parent == run[-1]:
+                run.append(k)
+                direction = 1
+                last_parent = m.parent
+                continue
+            if direction <= 0 and last_parent == k:
+                run.append(k)
+                direction = -1
+                last_parent = m.parent
+                continue
+            if direction < 0:
+                run.reverse()
+            runs.append(run)
+        run = [k]
+        direction = 0
+        last_parent = m.parent
+    if run:
+        if direction < 0:
+            run.reverse()
+        runs.append(run)
+    return runs
+
+
+def _stored(run: list[bytes], meta: Mapping[bytes, BlockMeta], bs: int, medium: str) -> BlockStored:
+    first = meta[run[0]]
+    toks: list[int] = []
+    extras: list[tuple[Any, ...] | None] = []
+    has_extra = False
+    # consecutive blocks of one request's token list: one slice per stretch
+    src: Sequence[int] | None = None
+    lo = hi = 0
+    for k in run:
+        m = meta[k]
+        if m.tokens is src and m.offset == hi:
+            hi += bs
+        else:
+            if src is not None:
+                toks.extend(src[lo:hi])
+            src, lo, hi = m.tokens, m.offset, m.offset + bs
+        extras.append(m.extra)
+        if m.extra:
+            has_extra = True
+    if src is not None:
+        toks.extend(src[lo:hi])
+    return BlockStored(
+        block_hashes=block_hashes(run),
+        parent_block_hash=digest64(first.parent) if first.parent is not None else None,
+        token_ids=toks,
+        block_size=bs,
+        medium=medium,
+        lora_name=first.lora,
+        extra_keys=extras if has_extra else None,
+    )
+
+
+def _parents_first(runs: list[list[bytes]], meta: Mapping[bytes, BlockMeta]) -> list[list[bytes]]:
+    """Order chain runs so that a run whose parent block is in another run comes after it
+    (a subscriber resolves each block's parent when it applies the event)."""
+    where: dict[bytes, int] = {}
+    for ri, run in enumerate(runs):
+        for k in run:
+            where[k] = ri
+    seen = [False] * len(runs)
+    out: list[list[bytes]] = []
+    for ri in range(len(runs)):
+        stack: list[int] = []
+        r: int | None = ri
+        while r is not None and not seen[r]:
+            seen[r] = True
+            stack.append(r)
+            p = meta[runs[r][0]].parent
+            r = where.get(p) if p is not None else None
+        out.extend(runs[x] for x in reversed(stack))
+    return out

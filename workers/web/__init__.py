@@ -1,0 +1,3 @@
+"""The worker HTTP surface's parts (DESIGN.md §4.3, docs/wire.md): OpenAI completions
+(completions.py), the /kv/* endpoints (kv.py), operations (ops.py), the generation
+response (stream.py) and what they share (common.py). workers/app.py assembles them."""

@@ -1,0 +1,114 @@
+"""What every worker route shares: OpenAI-shaped errors, bounded body reading, block keys
+in base64, and the limits derived from the engine's /info."""
+from __future__ import annotations
+
+import base64
+import binascii
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from kvwire import WorkerInfo
+from workers.errors import BadRequest, EngineError
+
+KEY_BYTES = 32
+MAX_BODY_BYTES = 64 * 1024 * 1024
+JSON = "application/json"
+ENCODER = msgspec.json.Encoder()
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Request bounds of one worker."""
+
+    max_body_bytes: int
+    max_context_tokens: int  # 0 when the engine does not say
+    max_blocks: int  # most block keys one /kv request may name
+
+    @classmethod
+    def from_info(cls, info: WorkerInfo, max_body_bytes: int) -> Limits:
+        max_ctx = info.max_context_tokens or 0
+        block_size = info.block_size or 16
+        return cls(max_body_bytes, max_ctx, max(1, max_ctx // block_size) if max_ctx else 1 << 16)
+
+
+def error_response(
+    status: int,
+    message: str,
+    *,
+    type: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+    retry_after: float | None = None,
+) -> Response:
+    """OpenAI's error shape: `{"error": {message, type, param, code}}` (+ Retry-After)."""
+    headers = {"Retry-After": str(max(1, int(retry_after + 0.999)))} if retry_after is not None else None
+    body = {"error": {"message": message, "type": type, "param": param, "code": code}}
+    return Response(ENCODER.encode(body), status_code=status, media_type=JSON, headers=headers)
+
+
+def from_engine_error(e: EngineError) -> Response:
+    retry = e.retry_after if e.retry_after is not None else (1.0 if e.status in (429, 503) else None)
+    return error_response(e.status, e.message, type=e.type, param=e.param, code=e.code, retry_after=retry)
+
+
+def json_response(obj: Any, status: int = 200) -> Response:
+    return Response(ENCODER.encode(obj), status_code=status, media_type=JSON)
+
+
+def decode_error(e: msgspec.MsgspecError) -> BadRequest:
+    """A body msgspec refused, as a 400 naming the offending field when msgspec does."""
+    msg = str(e)
+    param = None
+    if " - at `$." in msg:
+        param = msg.rsplit("`$.", 1)[1].rstrip("`").split("[")[0]
+    if isinstance(e, msgspec.DecodeError) and not isinstance(e, msgspec.ValidationError):
+        return BadRequest(f"request body is not valid JSON: {msg}")
+    return BadRequest(f"invalid request: {msg}", param=param)
+
+
+class TooLarge(EngineError):
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"request body exceeds {limit} bytes")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused (413) as soon as it is known to exceed `limit` bytes."""
+    cl = request.headers.get("content-length")
+    if cl is not None:
+        try:
+            declared = int(cl)
+        except ValueError:
+            raise BadRequest("bad Content-Length header") from None
+        if declared > limit:
+            raise TooLarge(limit)
+    chunks = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise TooLarge(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def keys_from_b64(s: str, max_blocks: int) -> list[bytes]:
+    """Concatenated 32-byte block keys in (url-safe or standard) base64, padding optional."""
+    s = s.strip().replace("-", "+").replace("_", "/").replace(" ", "+")
+    try:
+        raw = base64.b64decode(s + "=" * (-len(s) % 4), validate=True)
+    except (binascii.Error, ValueError):
+        raise BadRequest("keys_b64 is not valid base64", param="keys_b64") from None
+    if len(raw) % KEY_BYTES:
+        raise BadRequest(f"keys_b64 must decode to a multiple of {KEY_BYTES} bytes, got {len(raw)}", param="keys_b64")
+    n = len(raw) // KEY_BYTES
+    if n > max_blocks:
+        raise BadRequest(f"{n} keys exceed the limit of {max_blocks}", param="keys_b64")
+    return [raw[i : i + KEY_BYTES] for i in range(0, len(raw), KEY_BYTES)]

@@ -1,0 +1,36 @@
+"""Operations endpoints: /load (the router's queue and speed view), /info (identity,
+namespace, event endpoints), /health (draining or not), /metrics (Prometheus)."""
+from __future__ import annotations
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from kvwire import EventsInfo
+from workers.api import Engine
+from workers.metrics import WorkerMetrics
+
+from .common import json_response
+
+
+class OpsHandlers:
+    """GET /load, /info, /health, /metrics."""
+
+    def __init__(self, engine: Engine, metrics: WorkerMetrics, url: str, events: EventsInfo | None) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.url = url
+        self.events = events
+
+    async def load(self, request: Request) -> Response:
+        return json_response(self.engine.load())
+
+    async def info(self, request: Request) -> Response:
+        """The engine's /info plus what only the server knows: its URL and event endpoints."""
+        return json_response(msgspec.structs.replace(self.engine.info(), url=self.url, events=self.events))
+
+    async def health(self, request: Request) -> Response:
+        return json_response({"status": "draining" if self.engine.draining else "ok"})
+
+    async def prometheus(self, request: Request) -> Response:
+        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
