@@ -103,7 +103,8 @@ def cmd_up(a: argparse.Namespace) -> int:
         profile = m.profile or "h200-llama3.1-8b"
     n = a.workers
     cmd = [sys.executable, "-m", "workers.cli", "sim-cluster", "--workers", str(n), "--profile", profile,
-           "--base-port", str(a.base_port), "--host", "127.0.0.1"]
+           "--base-port", str(a.base_port), "--host", "127.0.0.1",
+           "--tokenizer", str(m.tokenizer)]  # the workers tokenize text as the gateway does
     print(f"kvroute up: starting {n} simulated workers ({profile})", file=sys.stderr)
     # Same process group: Ctrl-C reaches both. PDEATHSIG: if this process is killed
     # (SIGTERM, SIGKILL) before it can stop them, the workers go too.
