@@ -38,7 +38,10 @@ def serve(cfg: Config) -> int:
     setup_logging(cfg.observability.log_level)
     gw = Gateway(cfg)
     server = uvicorn.Server(uvicorn_config(App(gw), cfg))
-    server.run()
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
+        pass
     return 0 if server.started else 1
 
 
