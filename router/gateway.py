@@ -36,7 +36,11 @@ from .prefetch import Prefetch, Prefetcher, prefetch_rule
 from .prepare import Prepared, Preparer
 from .proxy import UpstreamError
 from .recorder import TraceRecorder
-from .relay import Attempt, Out, Relay
+from .attempt import Attempt, Out
+from .fidelity import KeyFidelity
+from .observe import Observer
+from .passthrough import PassThrough
+from .relay import Relay
 from .tenancy import Tenancy, Tenant
 from .tokenize import Tokenization, Tokenizer
 from .worker import State, Worker
@@ -64,6 +68,9 @@ class Gateway:
         self.ingest: PoolIngest | None = None
         self.prefetcher: Prefetcher | None = None
         self.relay: Relay | None = None
+        self.passthrough: PassThrough | None = None
+        self.fidelity = KeyFidelity()
+        self.observer = Observer(self.policy, self.metrics, self.recorder, self.fidelity)
         self._bg: set[asyncio.Task[Any]] = set()
         self._admin_timeout = aiohttp.ClientTimeout(total=2.0, connect=cfg.pool.connect_timeout_s)
         self.metrics.add_state_collector(self._collect_state)
@@ -93,7 +100,8 @@ class Gateway:
         self.prefetcher = Prefetcher(self.session, prefetch_rule(cfg.routing.prefetch), self.metrics, self._spawn,
                                      cfg.pool.connect_timeout_s)
         timeout = aiohttp.ClientTimeout(total=cfg.pool.request_timeout_s, connect=cfg.pool.connect_timeout_s)
-        self.relay = Relay(self.session, self.pool, self.policy, self.metrics, self.recorder, timeout)
+        self.relay = Relay(self.session, self.pool, self.observer, timeout)
+        self.passthrough = PassThrough(self.session, self.pool, self.observer, timeout)
         for wc in cfg.workers:
             self.pool.add(wc)
         self.started = True
@@ -119,6 +127,7 @@ class Gateway:
             self.policy_forget(w.id)
 
     def policy_forget(self, worker_id: str) -> None:
+        self.fidelity.forget(worker_id)
         cal = getattr(self.policy, "calibrator", None)
         if cal is not None and hasattr(cal, "forget"):
             cal.forget(worker_id)
@@ -141,12 +150,18 @@ class Gateway:
     ) -> Prepared:
         return await self.preparer.prepare(chat, body, headers, tenant)
 
-    def _candidates(self, model: ModelRuntime) -> list[Worker]:
+    def _candidates(self, prep: Prepared) -> list[Worker]:
+        """Healthy workers of the model that can serve the request as asked, under their caps."""
         assert self.pool is not None
+        model = prep.model
         workers = self.pool.routable(model.id)
         if not workers:
             self.metrics.child(self.metrics.shed, "no_healthy_worker").inc()
             raise unavailable(f"No healthy worker serves model {model.id!r} right now.", 1.0)
+        if prep.ours_error is not None:  # only pass-through workers take what ours do not implement
+            workers = [w for w in workers if w.kind == "vllm"]
+            if not workers:
+                raise prep.ours_error
         open_ = [w for w in workers if w.max_inflight is None or len(w.inflight) < w.max_inflight]
         if not open_:
             self.metrics.child(self.metrics.shed, "worker_caps").inc()
@@ -172,7 +187,7 @@ class Gateway:
         is the routing work a request pays for: its block keys (computed in prepare),
         the index lookup and the scoring."""
         t = time.perf_counter()
-        workers = self._candidates(prep.model)
+        workers = self._candidates(prep)
         rr = self._route_request(prep, workers)
         d = self.policy.choose(rr, [w.view for w in workers])
         m = self.metrics
@@ -182,7 +197,7 @@ class Gateway:
 
     def explain(self, prep: Prepared) -> dict[str, Any]:
         """What routing would do for this request now (nothing is sent, nothing changes)."""
-        workers = self._candidates(prep.model)
+        workers = self._candidates(prep)
         rr = self._route_request(prep, workers)
         d = explain_decision(self.policy, rr, [w.view for w in workers])
         return admin.explain_dict(prep, self.policy_name, d, rr)
@@ -243,7 +258,8 @@ class Gateway:
         self, prep: Prepared, d: Decision, rr: RouteRequest, w: Worker, est: Estimate | None, out: Out
     ) -> int:
         """One try on worker `w`: prefetch (for the chosen worker), count, relay."""
-        assert self.pool is not None and self.prefetcher is not None and self.relay is not None
+        assert self.pool is not None and self.prefetcher is not None
+        assert self.relay is not None and self.passthrough is not None
         chosen = w.id == d.worker_id
         predicted = d.predicted_ttft if chosen else (est.t_ttft if est else None)
         pf = None
@@ -254,7 +270,10 @@ class Gateway:
         rec = self.pool.dispatched(w, prefill, len(prep.ids) + prep.max_tokens, est)
         try:
             await self._let_prefetch_lead(pf)
-            return await self.relay.run(Attempt(prep, w, rec, rr, predicted, pf), out)
+            a = Attempt(prep, w, rec, rr, predicted, pf)
+            if w.kind == "vllm":
+                return await self.passthrough.run(a, out)
+            return await self.relay.run(a, out)
         except asyncio.CancelledError:  # the client left
             self.metrics.disconnects.inc()
             if not rec.prefilled:

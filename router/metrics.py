@@ -19,35 +19,57 @@ _FAST = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3,
 _RATIO = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
 
 
+_TOKENS = (0, 1, 16, 64, 256, 1024, 4096, 16384)
+
+
 class GatewayMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
-        self.requests = Counter("kvroute_requests", "Requests by route, status and model", ["route", "status", "model"], registry=r)
-        self.ttft = Histogram("kvroute_ttft_seconds", "Time to first token seen by the gateway", ["model"], buckets=_LAT, registry=r)
-        self.tpot = Histogram("kvroute_tpot_seconds", "Time per output token after the first", ["model"], buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5), registry=r)
-        self.e2e = Histogram("kvroute_e2e_seconds", "Request latency end to end", ["model"], buckets=_LAT, registry=r)
-        self.decision = Histogram("kvroute_decision_seconds", "Routing decision time (keys+lookup+policy)", ["policy"], buckets=_FAST, registry=r)
-        self.tokenize = Histogram("kvroute_tokenize_seconds", "Prompt tokenization time", ["model"], buckets=_FAST, registry=r)
-        self.choices = Counter("kvroute_route_choices", "Routing choices by policy and reason", ["policy", "reason"], registry=r)
-        self.ttft_ratio = Histogram("kvroute_ttft_actual_over_predicted", "Measured / predicted TTFT", ["worker"], buckets=_RATIO, registry=r)
-        self.ttft_abs_err = Histogram("kvroute_ttft_prediction_abs_error_seconds", "|measured - predicted| TTFT", ["worker"], buckets=_LAT, registry=r)
-        self.matched_tokens = Counter("kvroute_matched_tokens", "Prompt tokens the chosen worker held, by tier", ["tier"], registry=r)
-        self.prompt_tokens = Counter("kvroute_prompt_tokens", "Prompt tokens routed", ["model"], registry=r)
-        self.cached_tokens = Counter("kvroute_cached_tokens", "Prompt tokens workers reported as cached", ["model"], registry=r)
-        self.prefetch_sent = Counter("kvroute_prefetch_sent", "Prefetch requests sent", registry=r)
-        self.prefetch_failed = Counter("kvroute_prefetch_failed", "Prefetch requests refused or failed", registry=r)
-        self.prefetch_cancelled = Counter("kvroute_prefetch_cancelled", "Prefetches cancelled (request cancelled or rerouted)", registry=r)
-        self.prefetch_requested_tokens = Counter("kvroute_prefetch_requested_tokens", "Tokens asked to be raised toward GPU", registry=r)
-        self.prefetch_used_tokens = Counter("kvroute_prefetch_used_tokens", "Prefetched tokens the worker reported using", registry=r)
-        self.prefetch_wasted_tokens = Counter("kvroute_prefetch_wasted_tokens", "Requested minus used prefetch tokens", registry=r)
-        self.prefetch_wasted_bytes = Counter("kvroute_prefetch_wasted_bytes", "Wasted prefetch tokens times KV bytes per token", registry=r)
-        self.retries = Counter("kvroute_retries", "Requests retried on the next-best worker", ["reason"], registry=r)
-        self.shed = Counter("kvroute_shed", "Requests shed with 429/503", ["reason"], registry=r)
-        self.upstream_errors = Counter("kvroute_upstream_errors", "Worker failures seen by the proxy", ["worker", "phase"], registry=r)
-        self.worker_refused = Counter("kvroute_worker_refused", "Worker registrations refused", ["worker", "reason"], registry=r)
-        self.worker_transitions = Counter("kvroute_worker_transitions", "Worker state changes", ["worker", "state"], registry=r)
-        self.internal_errors = Counter("kvroute_internal_errors", "Unexpected exceptions turned into 500s", registry=r)
-        self.disconnects = Counter("kvroute_client_disconnects", "Clients that went away mid-request", registry=r)
+
+        def counter(name: str, doc: str, *labels: str) -> Counter:
+            return Counter(name, doc, list(labels), registry=r)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...], *labels: str) -> Histogram:
+            return Histogram(name, doc, list(labels), buckets=buckets, registry=r)
+
+        self.requests = counter("kvroute_requests", "Requests by route, status and model", "route", "status", "model")
+        self.ttft = histogram("kvroute_ttft_seconds", "Time to first token seen by the gateway", _LAT, "model")
+        self.tpot = histogram("kvroute_tpot_seconds", "Time per output token after the first",
+                              (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5), "model")
+        self.e2e = histogram("kvroute_e2e_seconds", "Request latency end to end", _LAT, "model")
+        self.decision = histogram("kvroute_decision_seconds",
+                                  "Routing work per request: block keys, index lookup and scoring", _FAST, "policy")
+        self.tokenize = histogram("kvroute_tokenize_seconds", "Prompt tokenization time", _FAST, "model")
+        self.choices = counter("kvroute_route_choices", "Routing choices by policy and reason", "policy", "reason")
+        self.ttft_ratio = histogram("kvroute_ttft_actual_over_predicted", "Measured / predicted TTFT", _RATIO, "worker")
+        self.ttft_abs_err = histogram("kvroute_ttft_prediction_abs_error_seconds", "|measured - predicted| TTFT",
+                                      _LAT, "worker")
+        self.matched_tokens = counter("kvroute_matched_tokens", "Prompt tokens the chosen worker held, by tier", "tier")
+        self.prompt_tokens = counter("kvroute_prompt_tokens", "Prompt tokens routed", "model")
+        self.cached_tokens = counter("kvroute_cached_tokens", "Prompt tokens workers reported as cached", "model")
+        self.prefetch_sent = counter("kvroute_prefetch_sent", "Prefetch requests sent")
+        self.prefetch_failed = counter("kvroute_prefetch_failed", "Prefetch requests refused or failed")
+        self.prefetch_cancelled = counter("kvroute_prefetch_cancelled",
+                                          "Prefetches cancelled (request cancelled or rerouted)")
+        self.prefetch_requested_tokens = counter("kvroute_prefetch_requested_tokens",
+                                                 "Tokens asked to be raised toward GPU")
+        self.prefetch_used_tokens = counter("kvroute_prefetch_used_tokens", "Prefetched tokens the worker reported using")
+        self.prefetch_wasted_tokens = counter("kvroute_prefetch_wasted_tokens", "Requested minus used prefetch tokens")
+        self.prefetch_wasted_bytes = counter("kvroute_prefetch_wasted_bytes",
+                                             "Wasted prefetch tokens times KV bytes per token")
+        self.retries = counter("kvroute_retries", "Requests retried on the next-best worker", "reason")
+        self.shed = counter("kvroute_shed", "Requests shed with 429/503", "reason")
+        self.upstream_errors = counter("kvroute_upstream_errors", "Worker failures seen by the proxy", "worker", "phase")
+        self.worker_refused = counter("kvroute_worker_refused", "Worker registrations refused", "worker", "reason")
+        self.worker_transitions = counter("kvroute_worker_transitions", "Worker state changes", "worker", "state")
+        self.internal_errors = counter("kvroute_internal_errors", "Unexpected exceptions turned into 500s")
+        self.key_prompt_mismatch = counter("kvroute_key_prompt_mismatch",
+                                           "Answers whose usage.prompt_tokens differ from the gateway's count",
+                                           "worker")
+        self.key_cached_drift = histogram("kvroute_key_cached_drift_tokens",
+                                          "|reported - predicted| cached prompt tokens (vLLM workers)", _TOKENS,
+                                          "worker")
+        self.disconnects = counter("kvroute_client_disconnects", "Clients that went away mid-request")
         self.inflight = Gauge("kvroute_inflight_requests", "Requests in flight at the gateway", registry=r)
         self._req_children: dict[tuple[str, int, str], Any] = {}
         self._per_model: dict[tuple[int, str], Any] = {}

@@ -182,7 +182,8 @@ class WorkerPool:
                     # /health fails while /load answers is still failing
                     next_health = now + cfg.health_interval_s
                     if await self._check_health(w):
-                        w.fails = 0
+                        if await self._check_identity(w):
+                            w.fails = 0
                     else:
                         self._failed(w, w.last_error)
                 elif not ok:
@@ -271,6 +272,8 @@ class WorkerPool:
                 "block_size",
             )
             return False
+        if not await self._check_identity(w):
+            return False
         w.view.cost = cost_params(model, w.cfg.cost, (w.block_size, w.block_bytes))
         try:
             self._join(w)
@@ -283,6 +286,27 @@ class WorkerPool:
         w.fails = 0
         await self._poll_load(w)
         self._set_state(w, State.HEALTHY, "")
+        return True
+
+    async def _check_identity(self, w: Worker) -> bool:
+        """The worker must serve the configured model (its `/v1/models`): a worker started on
+        another model would answer for it. Refused otherwise; False also when unreadable."""
+        try:
+            names = await self.probe.models(w)
+        except BadAnswer as e:
+            self._refuse(w, str(e), "bad_models")
+            return False
+        if names is None:
+            self._failed(w, w.last_error)
+            return False
+        model = w.model
+        wanted = [model.id, *model.cfg.served_names]
+        served = next((n for n in wanted if n in names), None)
+        if served is None:
+            self._refuse(w, f"serves {sorted(set(names))}, not model {model.id!r} (or its names "
+                            f"{model.cfg.served_names})", "model_mismatch")
+            return False
+        w.served_model = served
         return True
 
     def _refuse(self, w: Worker, why: str, code: str) -> None:

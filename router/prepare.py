@@ -1,8 +1,9 @@
 """Turning a client's body into a routable request: validate, tokenize, check limits, key.
 
 Everything here happens before a worker is chosen, so every refusal is a 4xx that
-costs no worker anything. The gateway's own tokenization serves block keys and limits
-only; what reaches the worker is the token ids computed here.
+costs no worker anything. The gateway's own tokenization and chat rendering serve
+block keys and limits only: our workers receive the token ids computed here, vLLM
+workers the client's own body (`raw`) with what routing adds.
 """
 from __future__ import annotations
 
@@ -15,24 +16,25 @@ from dataclasses import dataclass
 from typing import Any
 
 from .config import LimitsConfig
-from .errors import bad_request, model_not_found
+from .errors import ApiError, bad_request, model_not_found
 from .keyplan import KeyPlan
 from .metrics import GatewayMetrics
 from .model import ModelRuntime, ModelTable
 from .schema import (
     ChatRequest,
     CompletionRequest,
-    decode_chat,
-    decode_completion,
+    check_chat,
+    check_completion,
+    decode_request,
+    ours_problem,
     requested_max_tokens,
-    validate_chat,
-    validate_completion,
 )
 from .tenancy import Tenancy, Tenant
 from .tokenize import Tokenization, TokenizerError
 
-# OpenAI sampling fields our workers implement, forwarded as given.
-SAMPLING_FIELDS = ("temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty", "ignore_eos")
+# Sampling fields our workers implement, sent to them as given (kvwire/openai.py lists
+# every field they implement; a request using any other goes to vLLM workers only).
+SAMPLING_FIELDS = ("temperature", "top_p", "seed", "stop", "ignore_eos")
 
 
 @dataclass(slots=True)
@@ -54,6 +56,9 @@ class Prepared:
     t_arrival: float
     created: int
     keys_s: float = 0.0  # seconds spent computing the block keys (part of the routing decision)
+    raw: dict[str, Any] | None = None  # the client's body, for pass-through workers
+    max_tokens_asked: bool = True  # False: `max_tokens` is the gateway's default, not the client's
+    ours_error: ApiError | None = None  # why our own workers cannot serve it (None: they can)
 
 
 class Preparer:
@@ -75,8 +80,8 @@ class Preparer:
         t0 = time.monotonic()
         if tenant is None:
             tenant = self.tenancy.authenticate(headers)
-        req, model, prompt = self._decode(chat, body)
-        ids = await self._tokenize(chat, model, prompt)
+        raw, req, model, prompt = self._decode(chat, body)
+        ids = await self._tokenize(chat, model, prompt, req)
         n = len(ids)
         mt = self._check_lengths(chat, req, model, n)
         tk = time.perf_counter()
@@ -87,33 +92,37 @@ class Preparer:
         rid = ("chatcmpl-" if chat else "cmpl-") + "%024x" % self._rid_rng.getrandbits(96)
         return Prepared(
             rid, chat, tenant, model, req.model, ids, plan, mt, req.stream, include_usage, sampling,
-            req.cache_salt, t0, int(time.time()), keys_s,
+            req.cache_salt, t0, int(time.time()), keys_s, raw, requested_max_tokens(req) is not None,
+            ours_problem(raw, req, self.limits.max_stop_sequences),
         )
 
     def _decode(
         self, chat: bool, body: bytes
-    ) -> tuple[ChatRequest | CompletionRequest, ModelRuntime, Any]:
-        """The request struct, its model, and what to tokenize (messages, text or ids)."""
-        lim = self.limits
-        if chat:
-            creq = decode_chat(body)
-            model = self.models.get(creq.model)
-            msgs = validate_chat(creq, lim.max_stop_sequences, lim.max_messages)
+    ) -> tuple[dict[str, Any], ChatRequest | CompletionRequest, ModelRuntime, Any]:
+        """The raw body, its typed view, its model, and what to key (messages, text or ids)."""
+        raw, req = decode_request(body, chat)
+        if isinstance(req, ChatRequest):
+            msgs = check_chat(req, self.limits.max_messages)
+            model = self.models.get(req.model)
             if model is None:
-                raise model_not_found(creq.model)
-            return creq, model, msgs
-        req = decode_completion(body)
+                raise model_not_found(req.model)
+            return raw, req, model, msgs
+        assert isinstance(req, CompletionRequest)
         model = self.models.get(req.model)
         if model is None:
             raise model_not_found(req.model)
-        return req, model, validate_completion(req, lim.max_stop_sequences, model.tokenizer.vocab_size)
+        return raw, req, model, check_completion(req, model.tokenizer.vocab_size)
 
-    async def _tokenize(self, chat: bool, model: ModelRuntime, prompt: Any) -> array[int]:
+    async def _tokenize(
+        self, chat: bool, model: ModelRuntime, prompt: Any, req: ChatRequest | CompletionRequest
+    ) -> array[int]:
         tok = model.tokenizer
         tt = time.perf_counter()
         try:
             if chat:
-                ids = await self.tokenization.encode_text(tok, tok.render_chat(prompt), False)
+                # Tools enter the rendering as the worker's template will render them.
+                extra = {"tools": req.tools} if isinstance(req, ChatRequest) and req.tools else {}
+                ids = await self.tokenization.encode_text(tok, tok.render_chat(prompt, **extra), False)
             elif isinstance(prompt, str):
                 ids = await self.tokenization.encode_text(tok, prompt, True)
             else:

@@ -60,6 +60,18 @@ class Probe:
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             raise BadAnswer(f"/info is not valid: {e}") from None
 
+    async def models(self, w: Worker) -> list[str] | None:
+        """The model names `/v1/models` lists (ids, and the `root` each is an alias of)."""
+        body = await self.fetch(w, "/v1/models")
+        if body is None:
+            return None
+        try:
+            data = msgspec.json.decode(body).get("data")
+            names = [m["id"] for m in data] + [m["root"] for m in data if isinstance(m.get("root"), str)]
+        except (msgspec.DecodeError, AttributeError, KeyError, TypeError):
+            raise BadAnswer("/v1/models is not an OpenAI model list") from None
+        return [n for n in names if isinstance(n, str)]
+
     async def load(self, w: Worker) -> LoadReport | None:
         """The worker's load: our `/load`, or a vLLM server's `/metrics` as a report."""
         if w.kind == "kvroute":

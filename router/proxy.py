@@ -88,19 +88,23 @@ class UpstreamStream:
         self.resp.close()
 
 
-async def open_stream(
-    session: aiohttp.ClientSession, url: str | URL, payload: bytes, worker_id: str, timeout: aiohttp.ClientTimeout
-) -> UpstreamStream:
-    """POST and check the status; the body is not read yet."""
+async def post(
+    session: aiohttp.ClientSession, url: str | URL, payload: bytes, worker_id: str, timeout: aiohttp.ClientTimeout,
+    headers: dict[str, str] = _JSON, relay_4xx: bool = False,
+) -> aiohttp.ClientResponse:
+    """POST and check the status; the body is not read yet. A 200 (and, with `relay_4xx`,
+    the worker's own 4xx answer, which a pass-through client must see as sent) comes
+    back; anything else raises UpstreamError (retryable: 408, 429, 5xx)."""
     try:
-        resp = await session.post(url, data=payload, headers=_JSON, timeout=timeout)
+        resp = await session.post(url, data=payload, headers=headers, timeout=timeout)
     except aiohttp.ClientConnectorError as e:
         refused = isinstance(e.os_error, ConnectionRefusedError) or "refused" in str(e).lower()
         raise UpstreamError(f"worker {worker_id} unreachable: {e}", True, fatal=refused) from None
     except (TimeoutError, aiohttp.ClientError, OSError) as e:
         raise UpstreamError(f"worker {worker_id} failed: {type(e).__name__}: {e}", True) from None
-    if resp.status == 200:
-        return UpstreamStream(resp, worker_id)
+    retryable = resp.status in (408, 429, 503) or resp.status >= 500
+    if resp.status == 200 or (relay_4xx and 400 <= resp.status < 500 and not retryable):
+        return resp
     try:
         body = await resp.read()
     except (TimeoutError, aiohttp.ClientError):
@@ -108,5 +112,11 @@ async def open_stream(
     finally:
         resp.release()
     err = api_error_from_upstream(resp.status, body, worker_id)
-    retryable = resp.status in (408, 429, 503) or resp.status >= 500
     raise UpstreamError(err.message, retryable, api_error=err, phase="status")
+
+
+async def open_stream(
+    session: aiohttp.ClientSession, url: str | URL, payload: bytes, worker_id: str, timeout: aiohttp.ClientTimeout
+) -> UpstreamStream:
+    """POST to our worker and check the status; the stream is not read yet."""
+    return UpstreamStream(await post(session, url, payload, worker_id, timeout), worker_id)

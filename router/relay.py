@@ -1,31 +1,28 @@
-"""Relaying one worker's answer to the client, and learning from it.
+"""Relaying our worker's answer to the client in the client's format.
 
-The worker always streams (router/proxy.py); the client gets a stream or one JSON
-body in its own format (chat or completion). Writes are batched: each socket write is
-a large share of a request's CPU, so a stream complete in one read goes out as headers
-plus one write. After the first token the request is observed: TTFT, usage, the
-planner's calibration, prefetch used or wasted, the optional trace recorder.
+Our workers receive token ids and always stream (router/proxy.py); the client gets a
+stream or one JSON body, chat or completion, rebuilt from the chunks. Writes are
+batched: each socket write is a large share of a request's CPU, so a stream complete
+in one read goes out as headers plus one write. vLLM workers are relayed unchanged
+instead (router/passthrough.py); both hand their result to router/observe.py.
 """
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import aiohttp
 import msgspec
 from yarl import URL
 
+from .attempt import JSON_HEADERS, SSE_HEADERS, Attempt, Out, Result
 from .errors import ApiError
-from .metrics import GatewayMetrics
-from .planner.types import Policy, RouteRequest
+from .observe import Observer
 from .pool import WorkerPool
-from .prefetch import Prefetch
 from .prepare import Prepared
 from .proxy import UpstreamError, UpstreamStream, open_stream
-from .recorder import TraceRecorder
 from .responses import (
     SSE_DONE,
     chat_chunk,
@@ -38,70 +35,27 @@ from .responses import (
     usage_chunk,
 )
 from .schema import up_chunk_decoder
-from .worker import Inflight, Worker
+from .worker import Worker
 
 log = logging.getLogger("kvroute.relay")
 _enc = msgspec.json.Encoder()
-SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
-JSON_HEADERS = [(b"content-type", b"application/json")]
 Render = Callable[[str, int, str, str, "str | None"], bytes]
-
-
-class Out(Protocol):
-    """Where a response goes (the ASGI send, in router/app.py)."""
-
-    async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None: ...
-    async def body(self, data: bytes, more: bool = False) -> None: ...
-
-
-@dataclass(slots=True)
-class Result:
-    """What the worker sent, folded chunk by chunk."""
-
-    text: list[str] = field(default_factory=list)
-    finish: str | None = None
-    usage: dict[str, Any] | None = None
-    chunks: int = 0
-    t_first: float = 0.0
-    t_last: float = 0.0
-
-    @property
-    def completion_tokens(self) -> int:
-        u = self.usage
-        if u is not None and isinstance(u.get("completion_tokens"), int):
-            return int(u["completion_tokens"])
-        return self.chunks
-
-
-@dataclass(slots=True)
-class Attempt:
-    """One try of a request on one worker."""
-
-    prep: Prepared
-    worker: Worker
-    rec: Inflight
-    rr: RouteRequest
-    predicted: float | None
-    prefetch: Prefetch | None
-    t_dispatch: float = 0.0
 
 
 class Relay:
     def __init__(
-        self, session: aiohttp.ClientSession, pool: WorkerPool, policy: Policy, metrics: GatewayMetrics,
-        recorder: TraceRecorder | None, timeout: aiohttp.ClientTimeout,
+        self, session: aiohttp.ClientSession, pool: WorkerPool, observer: Observer, timeout: aiohttp.ClientTimeout,
     ) -> None:
         self.session = session
         self.pool = pool
-        self.policy = policy
-        self.metrics = metrics
-        self.recorder = recorder
+        self.observer = observer
+        self.metrics = observer.metrics
         self.timeout = timeout
 
     def payload(self, prep: Prepared, w: Worker) -> bytes:
         """The upstream body: token ids, always streamed with usage, plus what routing adds."""
         body: dict[str, Any] = {
-            "model": (w.info.model if w.info is not None else "") or prep.model.id,
+            "model": w.served_model or prep.model.id,
             "prompt": prep.ids.tolist(),
             "max_tokens": prep.max_tokens,
             "stream": True,
@@ -162,7 +116,7 @@ class Relay:
             parts = await self._first(a, batches, res, render)
         except _MidStream as e:
             err, parts = e.message, e.parts
-        hdrs = (SSE_HEADERS if prep.stream else JSON_HEADERS) + self._route_headers(a)
+        hdrs = (SSE_HEADERS if prep.stream else JSON_HEADERS) + a.route_headers()
         stream = _ClientStream(out, hdrs, prep.stream)
         if prep.stream:
             if prep.chat:
@@ -186,16 +140,8 @@ class Relay:
         except UpstreamError as e:
             return await self._failed_mid_stream(a, e, res, stream)
         await self._complete(a, res, stream, parts)
-        self._observe(a, res, True)
+        self.observer.done(a, res, True)
         return 200
-
-    @staticmethod
-    def _route_headers(a: Attempt) -> list[tuple[bytes, bytes]]:
-        """Which worker served, and what the planner expected (loadtest/replay.py reads these)."""
-        hdrs = [(b"x-kvroute-worker", a.worker.id.encode())]
-        if a.predicted is not None:
-            hdrs.append((b"x-kvroute-predicted-ttft-ms", b"%.3f" % (a.predicted * 1000)))
-        return hdrs
 
     async def _complete(self, a: Attempt, res: Result, stream: _ClientStream, parts: list[bytes]) -> None:
         prep = a.prep
@@ -219,7 +165,7 @@ class Relay:
             raise ApiError(502, f"The worker failed while generating: {e}", "upstream_error", None,
                            "worker_failed") from None
         await stream.flush([sse_error(str(e), "upstream_error", "worker_failed", prep.rid) + SSE_DONE], more=False)
-        self._observe(a, res, False)
+        self.observer.done(a, res, False)
         return 200
 
     def _absorb(
@@ -250,55 +196,6 @@ class Relay:
             if c.usage is not None:
                 res.usage = c.usage
         return None, parts
-
-    def _observe(self, a: Attempt, res: Result, ok: bool) -> None:
-        """Metrics, calibration and prefetch accounting once the request is over."""
-        prep, w = a.prep, a.worker
-        m = self.metrics
-        model = prep.model.id
-        m.child(m.ttft, model).observe(res.t_first - prep.t_arrival)
-        m.child(m.e2e, model).observe(time.monotonic() - prep.t_arrival)
-        ct = res.completion_tokens
-        if ct > 1 and res.t_last > res.t_first:
-            m.child(m.tpot, model).observe((res.t_last - res.t_first) / (ct - 1))
-        m.child(m.prompt_tokens, model).inc(len(prep.ids))
-        usage = res.usage or {}
-        details = usage.get("prompt_tokens_details")
-        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
-            m.child(m.cached_tokens, model).inc(details["cached_tokens"])
-        kv = usage.get("kv") if isinstance(usage.get("kv"), dict) else None
-        match = a.rr.matches.get(w.id)
-        if match is not None:
-            for tier, n in match.per_tier().items():
-                m.child(m.matched_tokens, tier.name).inc(n * prep.model.block_size)
-        self._calibrate(a, res, kv)
-        if a.prefetch is not None:
-            self._prefetch_outcome(a.prefetch, w, kv)
-        if self.recorder is not None and ok:
-            self.recorder.record(prep.t_arrival, prep.ids, prep.plan.scoped, ct)
-
-    def _calibrate(self, a: Attempt, res: Result, kv: dict[str, Any] | None) -> None:
-        # The model predicts from dispatch on (queue + load + prefill); compare like with like.
-        m, w, predicted = self.metrics, a.worker, a.predicted
-        measured = res.t_first - a.t_dispatch
-        if predicted is not None and predicted > 0:
-            m.child(m.ttft_ratio, w.id).observe(measured / predicted)
-            m.child(m.ttft_abs_err, w.id).observe(abs(measured - predicted))
-        try:
-            self.policy.observe(w.id, predicted, measured, kv)
-        except Exception:  # calibration must never fail a request
-            log.exception("policy.observe failed")
-
-    def _prefetch_outcome(self, pf: Prefetch, w: Worker, kv: dict[str, Any] | None) -> None:
-        m = self.metrics
-        used = kv.get("prefetched_tokens", 0) if kv else 0
-        used = used if isinstance(used, int) else 0
-        wasted = max(0, pf.requested_tokens - used)
-        m.prefetch_used_tokens.inc(min(used, pf.requested_tokens))
-        if wasted:
-            m.prefetch_wasted_tokens.inc(wasted)
-            cost = w.view.cost
-            m.prefetch_wasted_bytes.inc(wasted * cost.block_bytes // max(1, cost.block_size))
 
 
 class _MidStream(Exception):

@@ -1,9 +1,10 @@
-"""OpenAI request/response shapes at the HTTP edge (msgspec: typed decode in one C call).
+"""OpenAI request and upstream response shapes at the gateway's edge (msgspec).
 
-Requests are decoded straight into Structs, so a wrong type is a 400 naming the field
-(`$.max_tokens`) without any Python-side walking; semantic checks (ranges, n>1,
-unsupported options) follow in `validate_*`. Unknown fields are ignored, as OpenAI's
-SDK sends extras (`metadata`, `store`, ...) that do not change generation here.
+A body is decoded once into a dict (what pass-through workers receive, unchanged) and
+converted into a typed view of the fields the gateway reads, so a wrong type is a 400
+naming the field. The checks split in two: what every request must satisfy, and what
+kvroute's own workers cannot serve (`ours_problem`, from kvwire's list of implemented
+fields), which decides where the request may go rather than refusing it outright.
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from typing import Any
 
 import msgspec
 import numpy as np
+
+from kvwire.openai import unsupported_content, unsupported_fields
 
 from .errors import ApiError, bad_request
 
@@ -68,80 +71,104 @@ class CompletionRequest(_Common, kw_only=True):
     best_of: int | None = None
 
 
-_chat_dec = msgspec.json.Decoder(ChatRequest)
-_comp_dec = msgspec.json.Decoder(CompletionRequest)
 _PATH = re.compile(r"at `\$\.?([^`]*)`")
+_raw_dec = msgspec.json.Decoder(dict[str, Any])
 
 
-def _decode(dec: msgspec.json.Decoder, body: bytes) -> Any:
+def decode_request(body: bytes, chat: bool) -> tuple[dict[str, Any], ChatRequest | CompletionRequest]:
+    """The client's body as it came (forwarded unchanged to pass-through workers) and the
+    typed view of the fields the gateway reads; a wrong type is a 400 naming the field."""
     try:
-        return dec.decode(body)
+        raw = _raw_dec.decode(body)
+    except msgspec.ValidationError:
+        raise bad_request("The request body must be a JSON object.") from None
+    except msgspec.DecodeError as e:
+        raise bad_request(f"We could not parse the JSON body of your request: {e}", None, "invalid_json") from None
+    try:
+        req = msgspec.convert(raw, ChatRequest if chat else CompletionRequest)
     except msgspec.ValidationError as e:
         msg = str(e)
         m = _PATH.search(msg)
-        param = m.group(1) if m and m.group(1) else None
-        if msg.startswith("Expected `object`") and param is None:
-            raise bad_request("The request body must be a JSON object.") from None
-        raise bad_request(f"Invalid request: {msg}", param) from None
-    except msgspec.DecodeError as e:
-        raise bad_request(f"We could not parse the JSON body of your request: {e}", None, "invalid_json") from None
+        raise bad_request(f"Invalid request: {msg}", m.group(1) if m and m.group(1) else None) from None
+    return raw, req
 
 
 def decode_chat(body: bytes) -> ChatRequest:
-    return _decode(_chat_dec, body)
+    req = decode_request(body, True)[1]
+    assert isinstance(req, ChatRequest)
+    return req
 
 
 def decode_completion(body: bytes) -> CompletionRequest:
-    return _decode(_comp_dec, body)
+    req = decode_request(body, False)[1]
+    assert isinstance(req, CompletionRequest)
+    return req
 
 
-def _check_common(r: _Common, max_stop: int) -> None:
+def _check_common(r: _Common) -> None:
+    """What every request must satisfy, whichever worker serves it."""
     if not r.model:
         raise bad_request("`model` must be a non-empty string.", "model")
-    if r.n is not None and r.n != 1:
-        raise bad_request("Only n=1 is supported by this gateway.", "n", "unsupported_value")
+    if r.stream_options is not None and not r.stream:
+        raise bad_request("`stream_options` is only allowed when `stream` is true.", "stream_options")
+    if r.cache_salt is not None and not (0 < len(r.cache_salt) <= 256):
+        raise bad_request("`cache_salt` must be 1 to 256 characters.", "cache_salt")
+    requested_max_tokens(r)
+
+
+def ours_problem(raw: dict[str, Any], r: ChatRequest | CompletionRequest, max_stop: int) -> ApiError | None:
+    """Why kvroute's own workers cannot serve this request as asked (None: they can).
+
+    Such a request goes only to workers that implement what it asks (vLLM); where none
+    serves the model, this is the client's 400 — never a silently dropped field."""
+    chat = isinstance(r, ChatRequest)
+    fields = unsupported_fields(raw, chat)
+    if fields:
+        f = fields[0]
+        return bad_request(f"`{f}` is not supported by this model's workers.", f, "unsupported_parameter")
+    part = unsupported_content(raw.get("messages")) if chat else None
+    if part is not None:
+        return bad_request(f"Only text content parts are supported by this model's workers ({part} is not text).",
+                           part, "unsupported_content")
+    if isinstance(r, CompletionRequest) and isinstance(r.prompt, list) and len(r.prompt) > 1 \
+            and isinstance(r.prompt[0], (str, list)):
+        return bad_request("Batched prompts are not supported by this model's workers; send one prompt per request.",
+                           "prompt", "unsupported_parameter")
+    return _sampling_problem(r, max_stop)
+
+
+def _sampling_problem(r: _Common, max_stop: int) -> ApiError | None:
     if r.temperature is not None and not 0.0 <= r.temperature <= 2.0:
-        raise bad_request("`temperature` must be between 0 and 2.", "temperature")
+        return bad_request("`temperature` must be between 0 and 2.", "temperature")
     if r.top_p is not None and not 0.0 < r.top_p <= 1.0:
-        raise bad_request("`top_p` must be in (0, 1].", "top_p")
-    for name in ("presence_penalty", "frequency_penalty"):
-        v = getattr(r, name)
-        if v is not None and not -2.0 <= v <= 2.0:
-            raise bad_request(f"`{name}` must be between -2 and 2.", name)
+        return bad_request("`top_p` must be in (0, 1].", "top_p")
     if r.stop is not None:
         stops = [r.stop] if isinstance(r.stop, str) else r.stop
         if len(stops) > max_stop:
-            raise bad_request(f"At most {max_stop} stop sequences are allowed.", "stop")
+            return bad_request(f"At most {max_stop} stop sequences are allowed.", "stop")
         if any(not s for s in stops):
-            raise bad_request("Stop sequences must be non-empty strings.", "stop")
-    if r.stream_options is not None and not r.stream:
-        raise bad_request("`stream_options` is only allowed when `stream` is true.", "stream_options")
-    if r.logprobs not in (None, False, 0):
-        raise bad_request("`logprobs` is not supported by this gateway.", "logprobs", "unsupported_parameter")
-    if r.cache_salt is not None and not (0 < len(r.cache_salt) <= 256):
-        raise bad_request("`cache_salt` must be 1 to 256 characters.", "cache_salt")
+            return bad_request("Stop sequences must be non-empty strings.", "stop")
+    return None
 
 
 def requested_max_tokens(r: _Common) -> int | None:
     v = r.max_completion_tokens if isinstance(r, ChatRequest) and r.max_completion_tokens is not None else r.max_tokens
     if v is not None and v < 1:
-        param = "max_completion_tokens" if isinstance(r, ChatRequest) and r.max_completion_tokens is not None else "max_tokens"
+        param = "max_completion_tokens" if isinstance(r, ChatRequest) and r.max_completion_tokens is not None \
+            else "max_tokens"
         raise bad_request(f"`{param}` must be at least 1.", param)
     return v
 
 
-def validate_chat(r: ChatRequest, max_stop: int, max_messages: int) -> list[dict[str, str]]:
-    """Checks a chat request; returns the messages as the chat template wants them."""
-    _check_common(r, max_stop)
-    if r.tools or r.tool_choice not in (None, "none"):
-        raise bad_request("Tools are not supported by this gateway.", "tools", "unsupported_parameter")
-    if r.top_logprobs is not None:
-        raise bad_request("`top_logprobs` is not supported by this gateway.", "top_logprobs", "unsupported_parameter")
+def check_chat(r: ChatRequest, max_messages: int) -> list[dict[str, Any]]:
+    """Checks a chat request; returns the messages as the chat template renders them for
+    keying (text parts joined; other parts are the worker's to render and are not keyed)."""
+    _check_common(r)
     if not r.messages:
         raise bad_request("`messages` must contain at least one message.", "messages")
     if len(r.messages) > max_messages:
         raise bad_request(f"At most {max_messages} messages are allowed.", "messages")
-    out: list[dict[str, str]] = []
+    out: list[dict[str, Any]] = []
     for i, m in enumerate(r.messages):
         if m.role not in _ROLES:
             raise bad_request(f"Invalid role {m.role!r} in messages[{i}].", f"messages[{i}].role")
@@ -151,33 +178,18 @@ def validate_chat(r: ChatRequest, max_stop: int, max_messages: int) -> list[dict
         elif isinstance(c, str):
             text = c
         else:
-            texts = []
-            for j, p in enumerate(c):
-                if p.type != "text" or p.text is None:
-                    raise bad_request(
-                        f"Only text content parts are supported (messages[{i}].content[{j}] is {p.type!r}).",
-                        f"messages[{i}].content[{j}].type",
-                        "unsupported_content",
-                    )
-                texts.append(p.text)
-            text = "".join(texts)
+            text = "".join(p.text for p in c if p.type == "text" and p.text is not None)
         role = "system" if m.role == "developer" else m.role
         out.append({"role": role, "content": text})
-    requested_max_tokens(r)
     return out
 
 
-def validate_completion(r: CompletionRequest, max_stop: int, vocab_size: int) -> str | array:
-    """Checks a completion request; returns the single prompt (text or token ids)."""
-    _check_common(r, max_stop)
-    for name in ("echo", "suffix", "best_of"):
-        v = getattr(r, name)
-        if v not in (None, False) and not (name == "best_of" and v == 1):
-            raise bad_request(f"`{name}` is not supported by this gateway.", name, "unsupported_parameter")
+def check_completion(r: CompletionRequest, vocab_size: int) -> str | array[int]:
+    """Checks a completion request; returns the prompt to key (text or token ids; the first
+    of a batch, which only pass-through workers take)."""
+    _check_common(r)
     p: Any = r.prompt
     if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-        if len(p) != 1:
-            raise bad_request("Batched prompts are not supported; send one prompt per request.", "prompt")
         p = p[0]
     if isinstance(p, list):
         if not p:
@@ -189,9 +201,9 @@ def validate_completion(r: CompletionRequest, max_stop: int, vocab_size: int) ->
         top = int(np.frombuffer(ids, dtype=np.uint32).max())  # 8k ids: ~5 µs instead of ~200
         if top >= vocab_size:
             raise bad_request(f"Token id {top} is outside the vocabulary (0..{vocab_size - 1}).", "prompt")
-        requested_max_tokens(r)
         return ids
-    requested_max_tokens(r)
+    if not isinstance(p, str):
+        raise bad_request("`prompt` must be a string or a list of token ids.", "prompt")
     return p
 
 

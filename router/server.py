@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 
 import uvicorn
 
-from .app import App
+from .app import GatewayAPI
 from .config import Config
 from .gateway import Gateway
 
@@ -18,7 +18,7 @@ def setup_logging(level: str) -> None:
     logging.basicConfig(level=getattr(logging, level, logging.INFO), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-def uvicorn_config(app: App, cfg: Config, sock_port: int | None = None) -> uvicorn.Config:
+def uvicorn_config(app: GatewayAPI, cfg: Config, sock_port: int | None = None) -> uvicorn.Config:
     return uvicorn.Config(
         app,
         host=cfg.listen.host,
@@ -37,7 +37,7 @@ def serve(cfg: Config) -> int:
     """Run the gateway until SIGINT/SIGTERM (uvicorn handles the signals)."""
     setup_logging(cfg.observability.log_level)
     gw = Gateway(cfg)
-    server = uvicorn.Server(uvicorn_config(App(gw), cfg))
+    server = uvicorn.Server(uvicorn_config(GatewayAPI(gw), cfg))
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
@@ -61,7 +61,7 @@ async def running_gateway(cfg: Config, *, ready_timeout: float | None = None) ->
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    ucfg = uvicorn.Config(App(gw, manage_lifespan=False), loop="none", http="httptools", lifespan="off",
+    ucfg = uvicorn.Config(GatewayAPI(gw, manage_lifespan=False), loop="none", http="httptools", lifespan="off",
                           access_log=False, log_level="warning", timeout_keep_alive=30)
     server = uvicorn.Server(ucfg)
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]

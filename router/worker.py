@@ -51,6 +51,7 @@ class Worker:
     failures_total: int = 0
     last_error: str = ""
     max_inflight: int | None = None
+    served_model: str = ""  # the name the worker serves the model under (its /v1/models), sent upstream
     completions_url: URL | None = None  # parsed once: aiohttp re-parses a str URL per request
 
     @property

@@ -8,10 +8,12 @@ test's own loop. The module also checks itself (one test at the bottom).
 from __future__ import annotations
 
 import asyncio
+import functools
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -24,6 +26,7 @@ _enc = msgspec.json.Encoder()
 class FakeWorker:
     worker_id: str
     namespace_digest: str
+    model: str = "test-model"  # what /v1/models lists
     block_size: int = 16
     block_bytes: int = 2097152
     capabilities: tuple[str, ...] = ("prefetch", "purge")
@@ -39,6 +42,9 @@ class FakeWorker:
     cancelled: int = 0
     health_status: int = 200
     health_state: str = "ok"  # what /health says: "ok" or "draining"
+    cached_tokens: int = 0  # what usage reports as cached
+    prompt_skew: int = 0  # counts this many more prompt tokens than the bundled tokenizer (a mis-keyed worker)
+    embeddings: list[dict[str, Any]] = field(default_factory=list)
     port: int = 0
 
     @property
@@ -117,18 +123,31 @@ class FakeWorker:
         elif path == "/kv/purge":
             self.purges.append(msgspec.json.decode(body))
             await reply(200, {"purged_blocks": 3})
-        elif path == "/v1/completions":
-            await self._complete(msgspec.json.decode(body), reply, send, receive)
+        elif path == "/v1/models":
+            await reply(200, {"object": "list", "data": [{"id": self.model, "object": "model", "root": self.model}]})
+        elif path == "/v1/embeddings":
+            self.embeddings.append(msgspec.json.decode(body))
+            await reply(200, {"object": "list", "data": [{"object": "embedding", "index": 0, "embedding": [0.5, 0.25]}],
+                              "model": self.model, "usage": {"prompt_tokens": 2, "total_tokens": 2}})
+        elif path in ("/v1/completions", "/v1/chat/completions"):
+            await self._complete(msgspec.json.decode(body), reply, send, receive, path.endswith("chat/completions"))
         else:
             await reply(404, {"error": {"message": "no", "type": "x", "param": None, "code": None}})
 
-    async def _complete(self, req: dict[str, Any], reply: Any, send: Any, receive: Any) -> None:
+    async def _complete(self, req: dict[str, Any], reply: Any, send: Any, receive: Any, chat: bool) -> None:
+        """As vLLM answers: streamed or whole, chat or completion, usage when asked for;
+        `kv` timings only for the gateway's requests to our workers (they carry `kv`)."""
         self.completions.append(req)
         if self.fail_status is not None:
-            await reply(self.fail_status, {"error": {"message": f"injected {self.fail_status}", "type": "x", "param": None, "code": None}})
+            await reply(self.fail_status, {"error": {"message": f"injected {self.fail_status}", "type": "x",
+                                                     "param": None, "code": None}})
             return
-        n = int(req.get("max_tokens", 4))
-        prompt = req["prompt"]
+        n = int(req.get("max_tokens") or req.get("max_completion_tokens") or 4)
+        usage = self._usage(req, chat, n)
+        if not req.get("stream"):
+            await asyncio.sleep(self.first_delay_s)
+            await reply(200, _whole(chat, n, usage))
+            return
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
         me = asyncio.current_task()
 
@@ -145,23 +164,76 @@ class FakeWorker:
             for i in range(n):
                 if self.die_after_chunks is not None and i >= self.die_after_chunks:
                     raise ConnectionResetError("injected death")
-                chunk = {"id": "x", "object": "text_completion", "created": 0, "model": "fake-model",
-                         "choices": [{"index": 0, "text": f"t{i} ", "finish_reason": "length" if i == n - 1 else None,
-                                      "logprobs": None}]}
-                await send({"type": "http.response.body", "body": b"data: " + _enc.encode(chunk) + b"\n\n", "more_body": True})
+                await send({"type": "http.response.body", "body": _event(_chunk(chat, i, n)), "more_body": True})
                 if self.token_delay_s:
                     await asyncio.sleep(self.token_delay_s)
-            usage = {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n,
-                     "prompt_tokens_details": {"cached_tokens": 0},
-                     "kv": {"loaded_tokens": {"GPU": 0, "CPU": 0, "DISK": 0, "REMOTE": 0, "PEER": 0},
-                            "recomputed_tokens": len(prompt), "prefetched_tokens": 0, "queue_ms": 0.0, "load_ms": 0.0,
-                            "prefill_ms": 1.0, "ttft_ms": 1.0, "decode_ms": 1.0}}
-            final = {"id": "x", "object": "text_completion", "created": 0, "model": "fake-model", "choices": [], "usage": usage}
-            await send({"type": "http.response.body", "body": b"data: " + _enc.encode(final) + b"\n\ndata: [DONE]\n\n", "more_body": False})
+            tail = b""
+            if (req.get("stream_options") or {}).get("include_usage"):
+                tail = _event({"id": "x", "object": "chat.completion.chunk" if chat else "text_completion",
+                               "created": 0, "model": self.model, "choices": [], "usage": usage})
+            await send({"type": "http.response.body", "body": tail + b"data: [DONE]\n\n", "more_body": False})
         except asyncio.CancelledError:
             self.cancelled += 1
         finally:
             watcher.cancel()
+
+    def _usage(self, req: dict[str, Any], chat: bool, n: int) -> dict[str, Any]:
+        p = _prompt_tokens(req, chat) + self.prompt_skew
+        usage: dict[str, Any] = {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n,
+                                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        if "kv" in req:
+            usage["kv"] = {"loaded_tokens": {"GPU": 0, "CPU": 0, "DISK": 0, "REMOTE": 0, "PEER": 0},
+                           "recomputed_tokens": p, "prefetched_tokens": 0, "queue_ms": 0.0, "load_ms": 0.0,
+                           "prefill_ms": 1.0, "ttft_ms": 1.0, "decode_ms": 1.0}
+        return usage
+
+
+def _event(obj: Any) -> bytes:
+    return b"data: " + _enc.encode(obj) + b"\n\n"
+
+
+def _chunk(chat: bool, i: int, n: int) -> dict[str, Any]:
+    finish = "length" if i == n - 1 else None
+    if chat:
+        delta: dict[str, Any] = {"content": f"t{i} "} if i else {"role": "assistant", "content": f"t{i} "}
+        return {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "fake-model",
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+    return {"id": "x", "object": "text_completion", "created": 0, "model": "fake-model",
+            "choices": [{"index": 0, "text": f"t{i} ", "finish_reason": finish, "logprobs": None}]}
+
+
+def _whole(chat: bool, n: int, usage: dict[str, Any]) -> dict[str, Any]:
+    text = "".join(f"t{i} " for i in range(n))
+    choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": None}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+    return {"id": "x", "object": "chat.completion" if chat else "text_completion", "created": 0,
+            "model": "fake-model", "choices": [choice], "usage": usage}
+
+
+@functools.cache
+def _tokenizer() -> Any:
+    """The bundled tokenizer, as a vLLM on the bundled model folder uses it."""
+    from router.tokenize import Tokenizer
+
+    return Tokenizer(Path(__file__).resolve().parent.parent / "configs/assets/tiny-tokenizer")
+
+
+def _prompt_tokens(req: dict[str, Any], chat: bool) -> int:
+    """Prompt tokens as a vLLM on the bundled model folder would count them."""
+    prompt = req.get("prompt")
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return len(prompt)
+    tok = _tokenizer()
+    if chat:
+        msgs = [{"role": "system" if m["role"] == "developer" else m["role"],
+                 "content": m["content"] if isinstance(m.get("content"), str) else
+                 "".join(p.get("text", "") for p in m.get("content") or [] if p.get("type") == "text")}
+                for m in req["messages"]]
+        return len(tok.encode_text(tok.render_chat(msgs), False))
+    return len(tok.encode_text(str(prompt), True))
 
 
 @asynccontextmanager
@@ -192,6 +264,7 @@ async def test_fake_worker_streams() -> None:
     import aiohttp
 
     async with serve_fake(FakeWorker("f0", "00" * 32)) as fw, aiohttp.ClientSession() as s:
-        async with s.post(fw.url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 3}) as r:
+        async with s.post(fw.url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 3, "stream": True,
+                                                             "stream_options": {"include_usage": True}}) as r:
             text = (await r.read()).decode()
     assert text.count("data: ") == 5 and text.endswith("data: [DONE]\n\n")

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 from array import array
 from pathlib import Path
+from typing import Any
 
+import msgspec
 import pytest
 
 from kvindex.keys import BlockHasher, Namespace, digests64
@@ -13,7 +15,7 @@ from router.config import build_config
 from router.errors import ApiError
 from router.model import ModelRuntime
 from router.recorder import TraceRecorder
-from router.schema import decode_chat, decode_completion, validate_chat, validate_completion
+from router.schema import check_chat, check_completion, decode_chat, decode_completion, decode_request, ours_problem
 from router.tenancy import Tenancy
 from router.tokenize import Tokenizer
 from router.vllm_load import parse_vllm_metrics
@@ -139,22 +141,49 @@ vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
         parse_vllm_metrics("# nothing here\nfoo 1\n")
 
 
+def _raw_and_req(body: bytes, chat: bool) -> tuple[dict[str, Any], Any]:
+    return decode_request(body, chat)
+
+
 def test_validation_messages_name_params() -> None:
-    r = decode_chat(b'{"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}')
-    assert validate_chat(r, 4, 100) == [{"role": "user", "content": "ab"}]
-    r = decode_chat(b'{"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}')
-    with pytest.raises(ApiError) as ei:
-        validate_chat(r, 4, 100)
-    assert ei.value.param == "messages[0].content[0].type"
+    r = decode_chat(b'{"model": "m", "messages": [{"role": "user", "content": '
+                    b'[{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}')
+    assert check_chat(r, 100) == [{"role": "user", "content": "ab"}]
+    raw, r = _raw_and_req(b'{"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', True)
+    assert check_chat(r, 100) == [{"role": "user", "content": ""}]  # keyed without the image
+    e = ours_problem(raw, r, 4)
+    assert e is not None and e.param == "messages[0].content[0]" and e.code == "unsupported_content"
     with pytest.raises(ApiError) as ei:
         decode_chat(b'{"model": "m", "messages": [], "max_tokens": "ten"}')
     assert ei.value.param == "max_tokens"
-    r = decode_completion(b'{"model": "m", "prompt": ["a", "b"]}')
-    with pytest.raises(ApiError, match="Batched"):
-        validate_completion(r, 4, 100)
-    assert list(validate_completion(decode_completion(b'{"model": "m", "prompt": [[1, 2]]}'), 4, 100)) == [1, 2]
+    raw, r = _raw_and_req(b'{"model": "m", "prompt": ["a", "b"]}', False)
+    assert check_completion(r, 100) == "a"  # a batch is keyed by its first prompt ...
+    e = ours_problem(raw, r, 4)
+    assert e is not None and "Batched" in e.message  # ... and only pass-through workers take it
+    assert list(check_completion(decode_completion(b'{"model": "m", "prompt": [[1, 2]]}'), 100)) == [1, 2]
     for bad in (b"[1, -2]", b"[1, 2.5]", b'[1, "x"]', b"[1, 100]", b"[]"):
         with pytest.raises(ApiError):
-            validate_completion(decode_completion(b'{"model": "m", "prompt": ' + bad + b"}"), 4, 100)
-    with pytest.raises(ApiError, match="stop"):
-        validate_completion(decode_completion(b'{"model": "m", "prompt": "x", "stop": ["a","b","c","d","e"]}'), 4, 100)
+            check_completion(decode_completion(b'{"model": "m", "prompt": ' + bad + b"}"), 100)
+    raw, r = _raw_and_req(b'{"model": "m", "prompt": "x", "stop": ["a","b","c","d","e"]}', False)
+    e = ours_problem(raw, r, 4)
+    assert e is not None and e.param == "stop"
+
+
+@pytest.mark.parametrize("field,value", [
+    ("response_format", {"type": "json_object"}), ("logit_bias", {"5": 10}), ("min_tokens", 3), ("top_k", 40),
+    ("repetition_penalty", 1.2), ("n", 2), ("logprobs", True), ("tools", [{"type": "function"}]),
+    ("guided_json", {"type": "object"}), ("lora", "a"), ("priority", 1), ("presence_penalty", 0.5),
+])
+def test_fields_our_workers_lack_are_named_never_dropped(field: str, value: Any) -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], field: value}
+    raw, r = _raw_and_req(msgspec.json.encode(body), True)
+    e = ours_problem(raw, r, 4)
+    assert e is not None and e.param == field and e.code == "unsupported_parameter" and field in e.message
+
+
+@pytest.mark.parametrize("field,value", [("n", 1), ("logprobs", False), ("top_k", -1), ("user", "u"),
+                                         ("presence_penalty", 0), ("repetition_penalty", 1.0), ("temperature", 0.5)])
+def test_neutral_values_ask_for_nothing(field: str, value: Any) -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], field: value}
+    raw, r = _raw_and_req(msgspec.json.encode(body), True)
+    assert ours_problem(raw, r, 4) is None

@@ -1,0 +1,203 @@
+"""The OpenAI routes of the gateway: completions and chat (the hot path), models,
+tokenize/detokenize with the gateway's own tokenizer, and embeddings forwarded.
+
+Completions are handled on raw ASGI (router/asgi.py): the body is read with a cap,
+the request counted once by its final status, every error answered in OpenAI's shape
+and never a silent truncation once a stream has started.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+from typing import Any
+
+import aiohttp
+import msgspec
+from pydantic import BaseModel, ConfigDict, Field
+
+from .asgi import AsgiOut, ClientGone, Receive, Scope, Send, headers_of, read_body, watch_disconnect
+from .errors import ApiError, bad_request, internal, model_not_found, unavailable
+from .gateway import Gateway
+from .model import ModelRuntime
+from .responses import SSE_DONE, sse_error
+from .tokenize import TokenizerError
+
+log = logging.getLogger("kvroute.api")
+
+
+class CompletionRoute:
+    """POST /v1/completions or /v1/chat/completions, end to end."""
+
+    def __init__(self, gw: Gateway, chat: bool) -> None:
+        self.gw = gw
+        self.chat = chat
+        self.route = "/v1/chat/completions" if chat else "/v1/completions"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        out = AsgiOut(send)
+        gw = self.gw
+        try:
+            await self._handle(scope, receive, out)
+        except ApiError as e:
+            if not out.started:
+                await out.error(e)
+            gw.metrics.count_request(self.route, e.status, "-")
+        except ClientGone:
+            gw.metrics.disconnects.inc()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            rid = "req-" + os.urandom(8).hex()
+            log.exception("unhandled error in %s (request id %s)", self.route, rid)
+            gw.metrics.internal_errors.inc()
+            await _end_with_error(out, rid)
+
+    async def _handle(self, scope: Scope, receive: Receive, out: AsgiOut) -> None:
+        gw = self.gw
+        headers = headers_of(scope)
+        tenant = gw.tenancy.authenticate(headers)
+        body = await read_body(receive, gw.cfg.limits.max_body_bytes, headers.get("content-length"))
+        # Completions may run for minutes: from now on, watch for the client leaving.
+        me = asyncio.current_task()
+        assert me is not None
+        gone = asyncio.Event()
+        watcher = asyncio.ensure_future(watch_disconnect(receive, me, gone))
+        try:
+            await self._complete(body, headers, tenant, out)
+        except asyncio.CancelledError:
+            if not gone.is_set():
+                raise
+            # The client left: the request was cancelled (upstream closed, prefetch cancelled).
+            me.uncancel()
+            gw.metrics.count_request(self.route, 499, "-")
+        finally:
+            watcher.cancel()
+
+    async def _complete(self, body: bytes, headers: dict[str, str], tenant: Any, out: AsgiOut) -> None:
+        """Counts the request once, by its final status, and answers every ApiError itself."""
+        gw = self.gw
+        try:
+            prep = await gw.prepare(self.chat, body, headers, tenant)
+        except ApiError as e:
+            gw.metrics.count_request(self.route, e.status, "-")
+            await out.error(e)
+            return
+        try:
+            status = await gw.complete(prep, out)
+        except ApiError as e:
+            gw.metrics.count_request(self.route, e.status, prep.model.id)
+            if out.started:
+                log.warning("request %s: error after the response started: %s", prep.rid, e)
+                return
+            await out.error(e, prep.rid)
+            return
+        gw.metrics.count_request(self.route, status, prep.model.id)
+
+
+async def _end_with_error(out: AsgiOut, rid: str) -> None:
+    if not out.started:
+        await out.error(internal(rid), rid)
+        return
+    # never a silent truncation: an explicit error event, then the end
+    tail = sse_error(f"Internal error (request id {rid}).", "internal_error", "internal_error", rid) + SSE_DONE
+    try:
+        await out.body(tail if out.sse else b"", False)
+    except Exception:
+        pass
+
+
+# --------------------------------------------------------------------------- models
+
+
+def model_card(name: str, rt: ModelRuntime) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "kvroute", "root": rt.id,
+            "max_model_len": rt.max_context}
+
+
+def models_list(gw: Gateway) -> dict[str, Any]:
+    return {"object": "list", "data": [model_card(name, rt) for name, rt in gw.models.by_name.items()]}
+
+
+def model_of(gw: Gateway, name: str) -> ModelRuntime:
+    rt = gw.models.get(name)
+    if rt is None:
+        raise model_not_found(name)
+    return rt
+
+
+# --------------------------------------------------------------------------- tokenize
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize body: a text `prompt`, or chat `messages` rendered with the template."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str
+    tokens: list[int] = Field(min_length=0)
+
+
+async def tokenize(gw: Gateway, req: TokenizeRequest) -> dict[str, Any]:
+    """The ids the gateway keys with, in vLLM's /tokenize shape."""
+    rt = model_of(gw, req.model)
+    tok = rt.tokenizer
+    try:
+        if req.messages is not None:
+            text = tok.render_chat(req.messages, add_generation_prompt=req.add_generation_prompt)
+            ids = await gw.tokenization.encode_text(tok, text, bool(req.add_special_tokens))
+        elif req.prompt is not None:
+            specials = True if req.add_special_tokens is None else req.add_special_tokens
+            ids = await gw.tokenization.encode_text(tok, req.prompt, specials)
+        else:
+            raise bad_request("Either `prompt` or `messages` is required.", "prompt")
+    except TokenizerError as e:
+        raise bad_request(str(e), "messages" if req.messages is not None else "prompt") from None
+    return {"count": len(ids), "max_model_len": rt.max_context, "tokens": ids.tolist(), "token_strs": None}
+
+
+def detokenize(gw: Gateway, req: DetokenizeRequest) -> dict[str, Any]:
+    rt = model_of(gw, req.model)
+    vocab = rt.tokenizer.vocab_size
+    bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise bad_request(f"Token id {bad} is outside the vocabulary (0..{vocab - 1}).", "tokens")
+    return {"prompt": rt.tokenizer.hf.decode(req.tokens)}
+
+
+# --------------------------------------------------------------------------- embeddings
+
+
+async def embeddings(gw: Gateway, body: bytes) -> tuple[int, bytes, str]:
+    """Forward to a healthy worker of the model (the first that answers); its answer as sent."""
+    try:
+        model = msgspec.json.decode(body).get("model")
+    except (msgspec.DecodeError, AttributeError):
+        raise bad_request("The request body must be a JSON object with a `model`.", None, "invalid_json") from None
+    rt = model_of(gw, str(model))
+    assert gw.pool is not None and gw.session is not None
+    workers = list(gw.pool.routable(rt.id))
+    if not workers:
+        raise unavailable(f"No healthy worker serves model {rt.id!r} right now.", 1.0)
+    random.shuffle(workers)
+    last: Exception | None = None
+    for w in workers[:2]:
+        try:
+            async with gw.session.post(w.url + "/v1/embeddings", data=body,
+                                       headers={"content-type": "application/json"}) as r:
+                data = await r.read()
+                if r.status < 500:
+                    return r.status, data, r.headers.get("content-type", "application/json")
+                last = RuntimeError(f"HTTP {r.status}")
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            last = e
+    raise unavailable(f"No worker could answer the embeddings request ({type(last).__name__}).", 1.0)

@@ -1,0 +1,95 @@
+"""Raw ASGI plumbing for the completion hot path: response writer, body reader, disconnects.
+
+The completion routes write with the ASGI `send` they are given (no response object
+per chunk), read the body with a size cap before anything else, and watch for the
+client leaving, which cancels the handler (closing the upstream connection, which
+cancels the request on the worker, and cancelling its prefetch).
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+
+from .attempt import JSON_HEADERS
+from .errors import ApiError, bad_request, too_large
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+_enc = msgspec.json.Encoder()
+
+
+class AsgiOut:
+    """`Out` over ASGI send; remembers whether the response has started."""
+
+    __slots__ = ("send", "started", "status", "sse")
+
+    def __init__(self, send: Send) -> None:
+        self.send = send
+        self.started = False
+        self.status = 0
+        self.sse = False
+
+    async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        self.started = True
+        self.status = status
+        self.sse = any(k == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers)
+        await self.send({"type": "http.response.start", "status": status, "headers": headers})
+
+    async def body(self, data: bytes, more: bool = False) -> None:
+        await self.send({"type": "http.response.body", "body": data, "more_body": more})
+
+    async def json(self, status: int, obj: Any, extra: list[tuple[bytes, bytes]] | None = None) -> None:
+        await self.start(status, JSON_HEADERS + (extra or []))
+        await self.body(obj if isinstance(obj, bytes) else _enc.encode(obj))
+
+    async def error(self, e: ApiError, request_id: str | None = None) -> None:
+        hdrs = [(k.encode(), v.encode()) for k, v in e.response_headers().items()]
+        await self.json(e.status, e.body(request_id), hdrs)
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request body arrived: nothing to answer."""
+
+
+def headers_of(scope: Scope) -> dict[str, str]:
+    return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+
+
+async def read_body(receive: Receive, limit: int, declared: str | None) -> bytes:
+    """The whole body, refused with 413 as soon as it (or its Content-Length) passes `limit`."""
+    if declared is not None:
+        try:
+            if int(declared) > limit:
+                raise too_large(limit)
+        except ValueError:
+            raise bad_request("Invalid Content-Length header.") from None
+    chunks = []
+    size = 0
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            raise ClientGone
+        b = msg.get("body", b"")
+        if b:
+            size += len(b)
+            if size > limit:
+                raise too_large(limit)
+            chunks.append(b)
+        if not msg.get("more_body", False):
+            break
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def watch_disconnect(receive: Receive, task: asyncio.Task[Any], gone: asyncio.Event) -> None:
+    """Cancel `task` when the client disconnects (the body was read already)."""
+    while not task.done():
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            if not task.done():
+                gone.set()
+                task.cancel()
+            return

@@ -1,0 +1,74 @@
+"""One try of a request on one worker, and what the worker answered, as both relays
+(token ids to our workers, pass-through to vLLM) and the observer share them."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from .planner.types import RouteRequest
+from .prefetch import Prefetch
+from .prepare import Prepared
+from .worker import Inflight, Worker
+
+SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+JSON_HEADERS = [(b"content-type", b"application/json")]
+
+
+class Out(Protocol):
+    """Where a response goes (the ASGI send, in router/app.py)."""
+
+    async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None: ...
+    async def body(self, data: bytes, more: bool = False) -> None: ...
+
+
+@dataclass(slots=True)
+class Attempt:
+    """One try of a request on one worker."""
+
+    prep: Prepared
+    worker: Worker
+    rec: Inflight
+    rr: RouteRequest
+    predicted: float | None
+    prefetch: Prefetch | None
+    t_dispatch: float = 0.0
+
+    def route_headers(self) -> list[tuple[bytes, bytes]]:
+        """Which worker served, and what the planner expected (loadtest/replay.py reads these)."""
+        hdrs = [(b"x-kvroute-worker", self.worker.id.encode())]
+        if self.predicted is not None:
+            hdrs.append((b"x-kvroute-predicted-ttft-ms", b"%.3f" % (self.predicted * 1000)))
+        return hdrs
+
+
+@dataclass(slots=True)
+class Result:
+    """What the worker sent, folded as it came. `t_first` None: no first-token time is
+    known (a non-streamed pass-through answer arrives whole)."""
+
+    text: list[str] = field(default_factory=list)
+    finish: str | None = None
+    usage: dict[str, Any] | None = None
+    chunks: int = 0
+    t_first: float | None = None
+    t_last: float = 0.0
+
+    @property
+    def completion_tokens(self) -> int:
+        u = self.usage
+        if u is not None and isinstance(u.get("completion_tokens"), int):
+            return int(u["completion_tokens"])
+        return self.chunks
+
+    @property
+    def prompt_tokens(self) -> int | None:
+        u = self.usage
+        v = u.get("prompt_tokens") if u is not None else None
+        return v if isinstance(v, int) else None
+
+    @property
+    def cached_tokens(self) -> int | None:
+        u = self.usage
+        d = u.get("prompt_tokens_details") if u is not None else None
+        v = d.get("cached_tokens") if isinstance(d, dict) else None
+        return v if isinstance(v, int) else None

@@ -1,0 +1,112 @@
+"""After a request: metrics, the planner's calibration, prefetch use, key fidelity.
+
+Both relays hand their `Result` here, so a request is measured the same way whether
+our worker or a vLLM server answered it. What a worker reports (`usage`, and on our
+workers the `kv` timings) is compared with what the gateway predicted.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from kvindex.index import PrefixMatch
+
+from .attempt import Attempt, Result
+from .fidelity import KeyFidelity, Sample
+from .metrics import GatewayMetrics
+from .planner.types import Policy
+from .prefetch import Prefetch
+from .recorder import TraceRecorder
+from .worker import Worker
+
+log = logging.getLogger("kvroute.observe")
+
+
+class Observer:
+    def __init__(self, policy: Policy, metrics: GatewayMetrics, recorder: TraceRecorder | None,
+                 fidelity: KeyFidelity) -> None:
+        self.policy = policy
+        self.metrics = metrics
+        self.recorder = recorder
+        self.fidelity = fidelity
+
+    def done(self, a: Attempt, res: Result, ok: bool) -> None:
+        """Metrics, calibration, prefetch and fidelity accounting once the request is over."""
+        prep, w = a.prep, a.worker
+        m = self.metrics
+        model = prep.model.id
+        if res.t_first is not None:
+            m.child(m.ttft, model).observe(res.t_first - prep.t_arrival)
+        m.child(m.e2e, model).observe(time.monotonic() - prep.t_arrival)
+        ct = res.completion_tokens
+        if res.t_first is not None and ct > 1 and res.t_last > res.t_first:
+            m.child(m.tpot, model).observe((res.t_last - res.t_first) / (ct - 1))
+        m.child(m.prompt_tokens, model).inc(len(prep.ids))
+        if res.cached_tokens is not None:
+            m.child(m.cached_tokens, model).inc(res.cached_tokens)
+        usage = res.usage or {}
+        kv = usage.get("kv") if isinstance(usage.get("kv"), dict) else None
+        match = a.rr.matches.get(w.id)
+        if match is not None:
+            for tier, n in match.per_tier().items():
+                m.child(m.matched_tokens, tier.name).inc(n * prep.model.block_size)
+        if res.t_first is not None:
+            self._calibrate(a, res.t_first, kv)
+        if a.prefetch is not None:
+            self._prefetch_outcome(a.prefetch, w, kv)
+        if ok:
+            self._fidelity(a, res, match)
+        if self.recorder is not None and ok:
+            self.recorder.record(prep.t_arrival, prep.ids, prep.plan.scoped, ct)
+
+    def _calibrate(self, a: Attempt, t_first: float, kv: dict[str, Any] | None) -> None:
+        # The model predicts from dispatch on (queue + load + prefill); compare like with like.
+        m, w, predicted = self.metrics, a.worker, a.predicted
+        measured = t_first - a.t_dispatch
+        if predicted is not None and predicted > 0:
+            m.child(m.ttft_ratio, w.id).observe(measured / predicted)
+            m.child(m.ttft_abs_err, w.id).observe(abs(measured - predicted))
+        try:
+            self.policy.observe(w.id, predicted, measured, kv)
+        except Exception:  # calibration must never fail a request
+            log.exception("policy.observe failed")
+
+    def _prefetch_outcome(self, pf: Prefetch, w: Worker, kv: dict[str, Any] | None) -> None:
+        m = self.metrics
+        used = kv.get("prefetched_tokens", 0) if kv else 0
+        used = used if isinstance(used, int) else 0
+        wasted = max(0, pf.requested_tokens - used)
+        m.prefetch_used_tokens.inc(min(used, pf.requested_tokens))
+        if wasted:
+            m.prefetch_wasted_tokens.inc(wasted)
+            cost = w.view.cost
+            m.prefetch_wasted_bytes.inc(wasted * cost.block_bytes // max(1, cost.block_size))
+
+    def _fidelity(self, a: Attempt, res: Result, match: PrefixMatch | None) -> None:
+        """Compare the worker's token counts with the gateway's keys (router/fidelity.py)."""
+        theirs = res.prompt_tokens
+        if theirs is None:
+            return
+        w, n = a.worker, len(a.prep.ids)
+        sample = Sample(theirs - n, None, max(w.block_size, 1))
+        if w.kind == "vllm" and res.cached_tokens is not None:
+            sample.cached_diff = res.cached_tokens - predicted_cached_tokens(match, a.prep.model.block_size,
+                                                                             w.block_size, n)
+        m = self.metrics
+        if sample.prompt_diff:
+            m.child(m.key_prompt_mismatch, w.id).inc()
+        if sample.cached_diff is not None:
+            m.child(m.key_cached_drift, w.id).observe(abs(sample.cached_diff))
+        self.fidelity.record(w.id, sample)
+
+
+def predicted_cached_tokens(match: PrefixMatch | None, index_block: int, worker_block: int, prompt_tokens: int) -> int:
+    """Tokens a vLLM worker should report cached for this prompt, per the index: its leading
+    matched blocks in whole engine blocks, and never the last prompt token (an engine
+    always computes at least that one)."""
+    if match is None or worker_block <= 0:
+        return 0
+    tokens = match.blocks * index_block
+    usable = (prompt_tokens - 1) // worker_block * worker_block
+    return min(tokens // worker_block * worker_block, usable)

@@ -1,0 +1,211 @@
+"""Relaying a request to a vLLM worker without changing what it would answer.
+
+The client's own body goes to the same path (chat stays chat, with tools, images,
+`n`, logprobs and every vLLM extension), plus only what routing adds: the model name
+the worker serves, `cache_salt` (tenant isolation) and an `X-Request-Id` header.
+Streams are relayed event by event as the worker wrote them; only events that carry
+usage or an error are parsed. To measure usage the gateway asks for it on every
+stream and drops that final usage-only event when the client did not ask for it.
+Errors (4xx) come back with the worker's status and body. Before its first byte a
+failing worker is replaced by the next best; after it the stream ends with an
+explicit SSE error event (the one thing the gateway adds to a stream).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import aiohttp
+import msgspec
+
+from .attempt import JSON_HEADERS, SSE_HEADERS, Attempt, Out, Result
+from .observe import Observer
+from .pool import WorkerPool
+from .proxy import UpstreamError, post
+from .responses import SSE_DONE, sse_error
+from .worker import Worker
+
+log = logging.getLogger("kvroute.passthrough")
+_enc = msgspec.json.Encoder()
+_MAX_EVENT = 8 << 20
+_USAGE_NULL = (b'"usage":null', b'"usage": null')
+
+
+class PassThrough:
+    def __init__(self, session: aiohttp.ClientSession, pool: WorkerPool, observer: Observer,
+                 timeout: aiohttp.ClientTimeout) -> None:
+        self.session = session
+        self.pool = pool
+        self.observer = observer
+        self.timeout = timeout
+
+    def payload(self, a: Attempt) -> bytes:
+        """The client's body with the routing additions (module doc)."""
+        prep, w = a.prep, a.worker
+        assert prep.raw is not None
+        body: dict[str, Any] = dict(prep.raw)
+        body["model"] = w.served_model or prep.model.id
+        salt = prep.plan.wire_salt
+        if salt:
+            body["cache_salt"] = salt
+        if prep.stream:
+            so = body.get("stream_options")
+            body["stream_options"] = {**(so if isinstance(so, dict) else {}), "include_usage": True}
+        return _enc.encode(body)
+
+    async def run(self, a: Attempt, out: Out) -> int:
+        """Relay one attempt; raises UpstreamError (retryable) before the first byte."""
+        w = a.worker
+        path = "/v1/chat/completions" if a.prep.chat else "/v1/completions"
+        headers = {"content-type": "application/json", "x-request-id": a.prep.rid,
+                   "accept": "text/event-stream" if a.prep.stream else "application/json"}
+        a.t_dispatch = time.monotonic()
+        resp = await post(self.session, w.url + path, self.payload(a), w.id, self.timeout, headers, relay_4xx=True)
+        self.pool.accepted(a.rec)
+        try:
+            if resp.status != 200:
+                return await self._relay_error(a, resp, out)
+            if a.prep.stream and resp.content_type == "text/event-stream":
+                return await self._relay_stream(a, resp, out)
+            return await self._relay_whole(a, resp, out)
+        finally:
+            resp.release()
+
+    async def _relay_error(self, a: Attempt, resp: aiohttp.ClientResponse, out: Out) -> int:
+        """The worker's own 4xx, as it sent it (the client's request was wrong for it)."""
+        body = await _read(resp, a.worker)
+        self.pool.first_token(a.rec)
+        await out.start(resp.status, _content_type(resp, JSON_HEADERS) + a.route_headers())
+        await out.body(body)
+        return resp.status
+
+    async def _relay_whole(self, a: Attempt, resp: aiohttp.ClientResponse, out: Out) -> int:
+        body = await _read(resp, a.worker)
+        self.pool.first_token(a.rec)
+        a.worker.served += 1
+        res = Result(t_last=time.monotonic())
+        res.usage = _usage_of(body)
+        await out.start(200, _content_type(resp, JSON_HEADERS) + a.route_headers())
+        await out.body(body)
+        self.observer.done(a, res, True)
+        return 200
+
+    async def _relay_stream(self, a: Attempt, resp: aiohttp.ClientResponse, out: Out) -> int:
+        res = Result()
+        relay = _StreamRelay(a, res, out, drop_usage=not a.prep.include_usage)
+        try:
+            await relay.first(resp, self.pool)
+        except UpstreamError as e:
+            e.retryable, e.phase = True, "first"
+            raise
+        try:
+            await relay.rest(resp)
+        except UpstreamError as e:
+            m = self.observer.metrics
+            m.child(m.upstream_errors, a.worker.id, "stream").inc()
+            log.warning("request %s: worker %s failed after the first byte: %s", a.prep.rid, a.worker.id, e)
+            await out.body(sse_error(str(e), "upstream_error", "worker_failed", a.prep.rid) + SSE_DONE)
+            self.observer.done(a, res, False)
+            return 200
+        self.observer.done(a, res, True)
+        return 200
+
+
+class _StreamRelay:
+    """Splits the worker's SSE into events, forwards them per network read."""
+
+    def __init__(self, a: Attempt, res: Result, out: Out, drop_usage: bool) -> None:
+        self.a = a
+        self.res = res
+        self.out = out
+        self.drop_usage = drop_usage
+        self.rest_buf = b""
+        self.done = False
+
+    async def first(self, resp: aiohttp.ClientResponse, pool: WorkerPool) -> None:
+        """Until the first event: then the request counts as started (no retry after)."""
+        parts: list[bytes] = []
+        while not parts and not self.done:
+            parts = self._events(await self._read(resp))
+        self.res.t_first = time.monotonic()
+        pool.first_token(self.a.rec)
+        self.a.worker.served += 1
+        await self.out.start(200, SSE_HEADERS + self.a.route_headers())
+        await self.out.body(b"".join(parts), not self.done)
+
+    async def rest(self, resp: aiohttp.ClientResponse) -> None:
+        while not self.done:
+            parts = self._events(await self._read(resp))
+            if parts or self.done:
+                await self.out.body(b"".join(parts), not self.done)
+
+    async def _read(self, resp: aiohttp.ClientResponse) -> bytes:
+        w = self.a.worker
+        try:
+            data = await resp.content.readany()
+        except (TimeoutError, aiohttp.ClientError, ConnectionError) as e:
+            raise UpstreamError(f"worker {w.id} stream failed: {type(e).__name__}: {e}", False, phase="stream") \
+                from None
+        if not data:
+            raise UpstreamError(f"worker {w.id} closed the stream before [DONE]", False, phase="stream")
+        return data
+
+    def _events(self, data: bytes) -> list[bytes]:
+        """Complete events of this read, each with its separator, minus a dropped usage event."""
+        buf = self.rest_buf + data if self.rest_buf else data
+        if len(buf) > _MAX_EVENT:
+            raise UpstreamError(f"worker {self.a.worker.id} sent an oversized event", False, phase="stream")
+        *events, self.rest_buf = buf.split(b"\n\n")
+        out = []
+        now = time.monotonic()
+        for ev in events:
+            if not ev:
+                continue
+            if ev.startswith(b"data: [DONE]") or ev.startswith(b"data:[DONE]"):
+                self.done = True
+            elif b'"usage"' in ev and not any(u in ev for u in _USAGE_NULL):
+                if self._usage_event(ev):
+                    continue
+            else:
+                self.res.chunks += 1
+                self.res.t_last = now
+            out.append(ev + b"\n\n")
+        return out
+
+    def _usage_event(self, ev: bytes) -> bool:
+        """Take the usage; True when the event is the usage-only one to drop."""
+        payload = ev.split(b"data:", 1)[-1].strip()
+        try:
+            d = msgspec.json.decode(payload)
+        except msgspec.DecodeError:
+            return False
+        if not isinstance(d, dict) or not isinstance(d.get("usage"), dict):
+            return False
+        self.res.usage = d["usage"]
+        if d.get("choices"):
+            self.res.chunks += 1
+            return False
+        return self.drop_usage
+
+
+async def _read(resp: aiohttp.ClientResponse, w: Worker) -> bytes:
+    try:
+        return await resp.read()
+    except (TimeoutError, aiohttp.ClientError, ConnectionError) as e:
+        raise UpstreamError(f"worker {w.id} failed while answering: {type(e).__name__}: {e}", True,
+                            phase="first") from None
+
+
+def _content_type(resp: aiohttp.ClientResponse, default: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    ct = resp.headers.get("content-type")
+    return [(b"content-type", ct.encode("latin-1"))] if ct else list(default)
+
+
+def _usage_of(body: bytes) -> dict[str, Any] | None:
+    try:
+        d = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        return None
+    u = d.get("usage") if isinstance(d, dict) else None
+    return u if isinstance(u, dict) else None
