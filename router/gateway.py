@@ -29,6 +29,7 @@ from .ingest_adapter import PoolIngest
 from .metrics import GatewayMetrics
 from .model import ModelRuntime, ModelTable
 from .planner.explain import explain as explain_decision
+from .planner.fleet import whole_engine_blocks
 from .planner.registry import make_policy, policy_params
 from .planner.types import Decision, Estimate, RouteRequest
 from .pool import WorkerPool
@@ -180,6 +181,14 @@ class Gateway:
             vids = [w.id for w in workers if w.kind == "vllm"]
             if vids:
                 matches.update(model.index.match(plan.vllm_digests, vids))
+        for w in workers:  # price only whole engine blocks
+            m = matches.get(w.id)
+            if m is not None and w.block_size > model.block_size:
+                whole = whole_engine_blocks(m, w.block_size // model.block_size)
+                if whole is None:
+                    del matches[w.id]
+                else:
+                    matches[w.id] = whole
         return RouteRequest(len(prep.ids), plan.digests, matches, prep.max_tokens, now, prep.rid)
 
     def decide(self, prep: Prepared) -> tuple[Decision, RouteRequest]:

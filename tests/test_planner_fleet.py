@@ -202,3 +202,15 @@ def test_the_simulator_views_take_the_engines_reported_speeds() -> None:
     assert {t.name for t in v.cost.links} == set(rep.tiers)
     for name, link in rep.tiers.items():
         assert v.cost.links[Tier[name]] == Link(link.read_Bps, link.latency_s)
+
+
+def test_matches_are_priced_in_whole_engine_blocks() -> None:
+    from router.planner.fleet import whole_engine_blocks
+
+    m = PrefixMatch("w", 7, ((Tier.GPU, 3), (Tier.CPU, 4)))
+    assert whole_engine_blocks(m, 1) is m and whole_engine_blocks(PrefixMatch("w", 6, m.runs), 2).blocks == 6
+    half = whole_engine_blocks(m, 2)
+    assert half is not None and (half.blocks, half.runs) == (6, ((Tier.GPU, 3), (Tier.CPU, 3)))
+    four = whole_engine_blocks(m, 4)
+    assert four is not None and (four.blocks, four.runs) == (4, ((Tier.GPU, 3), (Tier.CPU, 1)))
+    assert whole_engine_blocks(PrefixMatch("w", 1, ((Tier.GPU, 1),)), 2) is None

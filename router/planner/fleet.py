@@ -176,3 +176,22 @@ def plan_prefetch(
     queue_s = est.t_queue if est is not None else 0.0
     deadline = max(rule.min_deadline_s, queue_s + rule.margin_s)
     return PrefetchPlan(start, end, deadline, d.prefetch_from_peer)
+
+
+def whole_engine_blocks(m: PrefixMatch, per_engine_block: int) -> PrefixMatch | None:
+    """`m` rounded down to whole engine blocks of `per_engine_block` index blocks each: an
+    engine whose blocks hold several index blocks cannot reuse part of one (vLLM's CPU
+    backend keys 32-token blocks over a 16-token index). None when nothing whole is left."""
+    if per_engine_block <= 1 or m.blocks % per_engine_block == 0:
+        return m
+    keep = m.blocks // per_engine_block * per_engine_block
+    if keep == 0:
+        return None
+    runs: list[tuple[Tier, int]] = []
+    left = keep
+    for tier, n in m.runs:
+        if left <= 0:
+            break
+        runs.append((tier, min(n, left)))
+        left -= n
+    return PrefixMatch(m.worker_id, keep, tuple(runs))
