@@ -255,7 +255,7 @@ def main() -> None:
     grown = rss() - r0
     blocks, entries = len(idx), idx.entries()
     print(f"  built in {build_s:.1f} s through store_keys ({blocks / build_s / 1e6:.2f} M blocks/s);"
-          f" digest maps GC-tracked: {any(map(gc.is_tracked, idx._shards))}")  # fmt: skip
+          f" digest maps GC-tracked: {any(map(gc.is_tracked, idx._blocks.bitmaps))}")  # fmt: skip
     bench_lookup(idx, prompts, a.queries, "realistic prompts (4-16 holders, tier cuts)")
     bench_lookup(idx, worst, max(500, a.queries // 6), f"worst case (all {a.workers} hold it, own cuts)")
     miss = [digests64(HASHER.keys([rng.randrange(128_256) for _ in range(8192)]))]

@@ -1,55 +1,50 @@
-"""The KV-event wire codec, in vLLM's format (DESIGN.md §4.2).
+"""The KV-event wire codec, in vLLM's format.
 
-A publisher sends ZMQ multipart frames `(topic, seq: 8-byte big-endian, payload)`;
-the payload is msgpack of an event batch `(ts, events, data_parallel_rank)`.
-Releases disagree on the encoding, so decoding accepts every combination seen:
-
-- the batch as a positional array `[ts, events, dp_rank]` or as a map;
-- each event as a tagged positional array `["BlockStored", hashes, parent, ...]`
-  (older releases) or as a map with a `"type"` key (newer ones);
-- trailing fields absent (older releases stop after `lora_id` or `medium`);
-- block hashes as 64-bit ints or as bytes.
-
-Decoding is msgspec's (C) on the fast path: the whole batch in one typed call.
-If that fails, the batch is decoded event by event so one bad event costs only
-itself; the bad ones are reported in `DecodedBatch.errors`, never raised.
-
-`EventDecoder(lazy=True)` yields `LazyBlockStored` instead of `BlockStored`:
-`token_ids` and `extra_keys` stay msgpack (`msgspec.Raw`, skipped in C, no Python
-int per token) until `materialize()`. It is for workers whose block hashes are
-our own digests (`PrefixIndex.add_worker(trusted_digests=True)`): the index
-needs their tokens only for the events it samples for verification, and
-building the token ints is most of the eager decoder's cost.
-
-Encoding reproduces vLLM's struct layout byte for byte (field order, tags,
-`omit_defaults`), so a subscriber built for vLLM reads our workers unchanged.
+vLLM releases disagree on the encoding (events as tagged arrays or as maps, the batch
+as an array or a map, trailing fields absent, hashes as ints or bytes), so decoding
+accepts every combination and never raises on a bad event; encoding reproduces vLLM's
+layout byte for byte, so a subscriber built for vLLM reads our workers unchanged.
+`BlockStored`'s fields are declared once (`_StoredFields`); every other form of it is
+derived from that declaration. docs/events.md has the formats and the lazy decoder.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import msgspec
+from msgspec.structs import astuple
 
-BlockHash = Union[int, bytes]
+BlockHash = int | bytes
+
+_Tokens = TypeVar("_Tokens")
+_Extras = TypeVar("_Extras")
+_Ev = TypeVar("_Ev")
 
 # --------------------------------------------------------------------------- #
 # Decoded form (lenient: every field that some release omits has a default).   #
 # --------------------------------------------------------------------------- #
 
 
-class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+class _StoredFields(msgspec.Struct, Generic[_Tokens, _Extras], omit_defaults=True, gc=False):
+    """`BlockStored`'s fields in vLLM's order, generic over how `token_ids` and
+    `extra_keys` decode: eagerly (`BlockStored`) or kept as msgpack (`LazyBlockStored`)."""
+
     block_hashes: list[BlockHash]
     parent_block_hash: BlockHash | None
-    token_ids: list[int]
+    token_ids: _Tokens
     block_size: int
     lora_id: int | None = None
     medium: str | None = None
     lora_name: str | None = None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
+    extra_keys: _Extras | None = None
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
+
+
+class BlockStored(_StoredFields[list[int], list[tuple[Any, ...] | None]], tag=True):
+    """Blocks written to a tier, with their tokens (the index keys them from these)."""
 
 
 class BlockRemoved(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
@@ -62,7 +57,8 @@ class AllBlocksCleared(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
     pass
 
 
-KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
 
 class EventDecodeError(ValueError):
     """The payload as a whole is not an event batch (bad msgpack or wrong shape), or a
@@ -71,27 +67,19 @@ class EventDecodeError(ValueError):
 
 _NIL = msgspec.Raw(b"\xc0")  # msgpack nil: an absent `extra_keys`
 _TOKENS_DEC = msgspec.msgpack.Decoder(list[int])
-_EXTRAS_DEC = msgspec.msgpack.Decoder(Union[list[Union[tuple[Any, ...], None]], None])
+_EXTRAS_DEC = msgspec.msgpack.Decoder(list[tuple[Any, ...] | None] | None)
 
 
-class LazyBlockStored(msgspec.Struct, tag="BlockStored", omit_defaults=True, gc=False):
+class LazyBlockStored(_StoredFields[msgspec.Raw, msgspec.Raw], tag="BlockStored"):
     """A `BlockStored` whose `token_ids` and `extra_keys` are still msgpack.
 
-    What `EventDecoder(lazy=True)` yields (see the module doc). Their content is
-    unchecked until `materialize()`, which validates exactly as the eager decoder does.
+    What `EventDecoder(lazy=True)` yields: building the token ints is most of the
+    eager decoder's cost, and the index needs a trusted worker's tokens only for the
+    events it samples. Their content is unchecked until `materialize()`, which
+    validates exactly as the eager decoder does.
     """
 
-    block_hashes: list[BlockHash]
-    parent_block_hash: BlockHash | None
-    token_ids: msgspec.Raw
-    block_size: int
-    lora_id: int | None = None
-    medium: str | None = None
-    lora_name: str | None = None
-    extra_keys: msgspec.Raw = _NIL
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
+    extra_keys: msgspec.Raw = _NIL  # msgspec cannot decode a Raw inside a union
 
     def materialize(self) -> BlockStored:
         """The eager `BlockStored`; EventDecodeError when the deferred fields are malformed."""
@@ -100,26 +88,21 @@ class LazyBlockStored(msgspec.Struct, tag="BlockStored", omit_defaults=True, gc=
             extra = _EXTRAS_DEC.decode(self.extra_keys)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             raise EventDecodeError(f"BlockStored: {e}") from None
-        return BlockStored(
-            self.block_hashes,
-            self.parent_block_hash,
-            tokens,
-            self.block_size,
-            self.lora_id,
-            self.medium,
-            self.lora_name,
-            extra,
-            self.group_idx,
-            self.kv_cache_spec_kind,
-            self.kv_cache_spec_sliding_window,
-        )
+        ev = BlockStored(*astuple(self))  # the same fields in the same order, then the two decoded
+        ev.token_ids = tokens
+        ev.extra_keys = extra
+        return ev
 
 
-LazyKVEvent = Union[LazyBlockStored, BlockRemoved, AllBlocksCleared]
+LazyKVEvent = LazyBlockStored | BlockRemoved | AllBlocksCleared
 
 
 # Positional forms (vLLM's array_like encoding): the public structs' fields, in order.
 class _BlockStoredPos(BlockStored, tag="BlockStored", array_like=True):
+    pass
+
+
+class _LazyBlockStoredPos(LazyBlockStored, tag="BlockStored", array_like=True):
     pass
 
 
@@ -131,74 +114,37 @@ class _AllBlocksClearedPos(AllBlocksCleared, tag="AllBlocksCleared", array_like=
     pass
 
 
-_PosEvent = Union[_BlockStoredPos, _BlockRemovedPos, _AllBlocksClearedPos]
-
-
-class _LazyBlockStoredPos(LazyBlockStored, tag="BlockStored", array_like=True):
-    pass
-
-
-_LazyPosEvent = Union[_LazyBlockStoredPos, _BlockRemovedPos, _AllBlocksClearedPos]
-
-
-def _batch(name: str, events: Any, array_like: bool) -> type[msgspec.Struct]:
-    """A batch struct `(ts, events, data_parallel_rank)` whose events decode as `events`."""
-    return msgspec.defstruct(
-        name,
-        [("ts", float), ("events", list[events]), ("data_parallel_rank", Union[int, None], None)],
-        array_like=array_like,
-        gc=False,
-    )
-
-
-# (batch is an array, events are positional) -> batch struct, eager and lazy
-_BATCHES: dict[tuple[bool, bool], type[msgspec.Struct]] = {
-    (arr, pos): _batch(f"_Batch{'Arr' if arr else 'Map'}{'Pos' if pos else 'Map'}", _PosEvent if pos else KVEvent, arr)
-    for arr in (True, False)
-    for pos in (True, False)
-}
-_LAZY_BATCHES: dict[tuple[bool, bool], type[msgspec.Struct]] = {
-    (arr, pos): _batch(
-        f"_LazyBatch{'Arr' if arr else 'Map'}{'Pos' if pos else 'Map'}", _LazyPosEvent if pos else LazyKVEvent, arr
-    )
-    for arr in (True, False)
-    for pos in (True, False)
+_PosEvent = _BlockStoredPos | _BlockRemovedPos | _AllBlocksClearedPos
+_LazyPosEvent = _LazyBlockStoredPos | _BlockRemovedPos | _AllBlocksClearedPos
+# positional form -> public struct (same fields, same order)
+_PUBLIC: dict[type, type[KVEvent | LazyBlockStored]] = {
+    _BlockStoredPos: BlockStored,
+    _LazyBlockStoredPos: LazyBlockStored,
+    _BlockRemovedPos: BlockRemoved,
+    _AllBlocksClearedPos: AllBlocksCleared,
 }
 
 
-class _BatchArrRaw(msgspec.Struct, array_like=True, gc=False):
+def _to_public(ev: KVEvent | LazyBlockStored) -> KVEvent | LazyBlockStored:
+    cls = _PUBLIC.get(type(ev))
+    return ev if cls is None else cls(*astuple(ev))
+
+
+class _Batch(msgspec.Struct, Generic[_Ev], omit_defaults=True, gc=False):
+    """vLLM's `EventBatch` as a map (its newest releases); `events` decode as `_Ev`."""
+
     ts: float
-    events: list[msgspec.Raw]
+    events: list[_Ev]
     data_parallel_rank: int | None = None
 
 
-class _BatchMapRaw(msgspec.Struct, gc=False):
-    ts: float
-    events: list[msgspec.Raw]
-    data_parallel_rank: int | None = None
+class _BatchArr(_Batch[_Ev], array_like=True):
+    """The same as an array (vLLM 0.32 and older). A None `data_parallel_rank` is sent
+    as nil: `omit_defaults` does not drop array positions."""
 
 
-def _to_public(ev: Any) -> KVEvent | LazyBlockStored:
-    if isinstance(ev, (_LazyBlockStoredPos, _BlockStoredPos)):
-        cls = LazyBlockStored if isinstance(ev, _LazyBlockStoredPos) else BlockStored
-        return cls(
-            ev.block_hashes,
-            ev.parent_block_hash,
-            ev.token_ids,
-            ev.block_size,
-            ev.lora_id,
-            ev.medium,
-            ev.lora_name,
-            ev.extra_keys,
-            ev.group_idx,
-            ev.kv_cache_spec_kind,
-            ev.kv_cache_spec_sliding_window,
-        )
-    if isinstance(ev, _BlockRemovedPos):
-        return BlockRemoved(ev.block_hashes, ev.medium, ev.group_idx)
-    if isinstance(ev, _AllBlocksClearedPos):
-        return AllBlocksCleared()
-    return ev
+def _batch_type(batch_arr: bool, events: Any) -> Any:
+    return (_BatchArr if batch_arr else _Batch)[events]
 
 
 @dataclass(slots=True)
@@ -224,16 +170,26 @@ def _is_array(buf: bytes | memoryview) -> bool:
 class EventDecoder:
     """Decodes payloads of any supported encoding; reusable, not thread-safe.
 
-    `lazy=True`: `BlockStored` events come out as `LazyBlockStored` (module doc).
+    The whole batch is decoded in one typed msgspec call on the fast path; if that
+    fails, event by event, so one bad event costs only itself (`DecodedBatch.errors`).
+    `lazy=True`: `BlockStored` events come out as `LazyBlockStored`.
     """
 
     def __init__(self, lazy: bool = False) -> None:
         dec = msgspec.msgpack.Decoder
         self.lazy = lazy
-        self._fast = {k: dec(t) for k, t in (_LAZY_BATCHES if lazy else _BATCHES).items()}
-        self._raw = {True: dec(_BatchArrRaw), False: dec(_BatchMapRaw)}
-        self._ev_map = dec(LazyKVEvent if lazy else KVEvent)
-        self._ev_pos = dec(_LazyPosEvent if lazy else _PosEvent)
+        ev_map, ev_pos = (LazyKVEvent, _LazyPosEvent) if lazy else (KVEvent, _PosEvent)
+        # (batch is an array, events are positional) -> decoder of the whole batch
+        self._fast: dict[tuple[bool, bool], msgspec.msgpack.Decoder[_Batch[Any]]] = {
+            (arr, pos): dec(_batch_type(arr, ev_pos if pos else ev_map))
+            for arr in (True, False)
+            for pos in (True, False)
+        }
+        self._raw: dict[bool, msgspec.msgpack.Decoder[_Batch[msgspec.Raw]]] = {
+            arr: dec(_batch_type(arr, msgspec.Raw)) for arr in (True, False)
+        }
+        self._ev_map: msgspec.msgpack.Decoder[KVEvent | LazyBlockStored] = dec(ev_map)
+        self._ev_pos: msgspec.msgpack.Decoder[KVEvent | LazyBlockStored] = dec(ev_pos)
         # The encoding a publisher used last time: tried first next time.
         self._last_events_pos = False
 
@@ -265,80 +221,58 @@ class EventDecoder:
 
 
 # --------------------------------------------------------------------------- #
-# Encoded form: vLLM's exact layout.                                           #
+# Encoded form: vLLM's exact layout, derived from the decoded structs' fields.  #
 # --------------------------------------------------------------------------- #
 
 
-class _WireStored(msgspec.Struct, tag="BlockStored", omit_defaults=True, gc=False):
-    block_hashes: list[BlockHash]
-    parent_block_hash: BlockHash | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
+# vLLM declares BlockStored's fields up to `lora_name` and BlockRemoved's up to `medium`
+# without a default: they are encoded even when None.
+_STORED_ALWAYS = 7
+_REMOVED_ALWAYS = 2
 
 
-class _WireRemoved(msgspec.Struct, tag="BlockRemoved", omit_defaults=True, gc=False):
-    block_hashes: list[BlockHash]
-    medium: str | None
-    group_idx: int | None = None
+class _WireForm(NamedTuple):
+    """An event class, the struct it is encoded as, and how many of its fields that takes."""
+
+    cls: type[KVEvent]
+    wire: type[msgspec.Struct]
+    n_fields: int
 
 
-class _WireCleared(msgspec.Struct, tag="AllBlocksCleared", omit_defaults=True, gc=False):
-    pass
+def _wire_struct(
+    src: type[msgspec.Struct], upto: int | None = None, always: int = 0, **options: Any
+) -> type[msgspec.Struct]:
+    """A struct of `src`'s first `upto` fields as vLLM declares them: the first
+    `always` without a default, so encoded even when None."""
+    spec: list[tuple[str, Any] | tuple[str, Any, Any]] = [
+        (f.name, f.type) if i < always or f.required else (f.name, f.type, f.default)
+        for i, f in enumerate(msgspec.structs.fields(src)[:upto])
+    ]
+    return msgspec.defstruct(f"_Wire{src.__name__}", spec, omit_defaults=True, gc=False, **options)
 
 
-class _WireStoredPos(msgspec.Struct, tag="BlockStored", array_like=True, omit_defaults=True, gc=False):
-    block_hashes: list[BlockHash]
-    parent_block_hash: BlockHash | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
+def _event_form(cls: type[KVEvent], upto: int | None, always: int, array_like: bool) -> _WireForm:
+    wire = _wire_struct(cls, upto, always, tag=cls.__name__, array_like=array_like)
+    return _WireForm(cls, wire, len(wire.__struct_fields__))
 
 
-class _WireRemovedPos(msgspec.Struct, tag="BlockRemoved", array_like=True, omit_defaults=True, gc=False):
-    block_hashes: list[BlockHash]
-    medium: str | None
+def _wire_events(upto_stored: int | None, upto_removed: int | None, array_like: bool) -> list[_WireForm]:
+    """How one generation of vLLM encodes each event."""
+    return [
+        _event_form(BlockStored, upto_stored, _STORED_ALWAYS, array_like),
+        _event_form(BlockRemoved, upto_removed, _REMOVED_ALWAYS, array_like),
+        _event_form(AllBlocksCleared, None, 0, array_like),
+    ]
 
 
-class _WireClearedPos(msgspec.Struct, tag="AllBlocksCleared", array_like=True, omit_defaults=True, gc=False):
-    pass
-
-
-# The first releases with KV events (no `medium`, no data-parallel rank).
-class _WireStoredV0(msgspec.Struct, tag="BlockStored", array_like=True, omit_defaults=True, gc=False):
-    block_hashes: list[BlockHash]
-    parent_block_hash: BlockHash | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-
-
-class _WireRemovedV0(msgspec.Struct, tag="BlockRemoved", array_like=True, omit_defaults=True, gc=False):
-    block_hashes: list[BlockHash]
-
-
-class _WireBatchArr(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class _WireBatchV0(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-
-
-class _WireBatchMap(msgspec.Struct, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
+# Current releases: map events, every field.
+_WIRE_MAP = _wire_events(None, None, array_like=False)
+# Older releases: tagged arrays up to `medium`.
+_WIRE_POS = _wire_events(6, 2, array_like=True)
+# The first releases with KV events: up to `lora_id`, removals without medium.
+_WIRE_V0 = _wire_events(5, 1, array_like=True)
+# Their batch: `[ts, events]`, no data-parallel rank.
+_BatchV0 = _wire_struct(_Batch, 2, array_like=True)
 
 
 class EventEncoder:
@@ -350,54 +284,34 @@ class EventEncoder:
     `lora_id`, as the first releases with KV events). `batch_map=True` encodes the
     batch itself as a map, as vLLM's newest `EventBatch` struct does. A
     `data_parallel_rank` of None is omitted from a map batch and sent as nil in an
-    array batch (msgspec's `omit_defaults` does not drop array positions), exactly
-    as vLLM's structs encode it; the first releases' batch has no such field.
+    array batch, exactly as vLLM's structs encode it; the first releases' batch has
+    no such field.
     """
 
     def __init__(self, positional: bool = False, batch_map: bool = False, with_medium: bool = True) -> None:
         self.positional = positional
         self.batch_map = batch_map
         self.with_medium = with_medium
+        self._v0 = positional and not with_medium
+        forms = _WIRE_V0 if self._v0 else _WIRE_POS if positional else _WIRE_MAP
+        self._forms: dict[type, _WireForm] = {f.cls: f for f in forms}
         self._enc = msgspec.msgpack.Encoder()
 
     def _wire(self, ev: KVEvent) -> Any:
-        if isinstance(ev, BlockStored):
-            if self.positional and not self.with_medium:
-                return _WireStoredV0(ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size, ev.lora_id)
-            if self.positional:
-                return _WireStoredPos(
-                    ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size, ev.lora_id, ev.medium
-                )
-            return _WireStored(
-                ev.block_hashes,
-                ev.parent_block_hash,
-                ev.token_ids,
-                ev.block_size,
-                ev.lora_id,
-                ev.medium,
-                ev.lora_name,
-                ev.extra_keys,
-                ev.group_idx,
-                ev.kv_cache_spec_kind,
-                ev.kv_cache_spec_sliding_window,
-            )
-        if isinstance(ev, BlockRemoved):
-            if self.positional and not self.with_medium:
-                return _WireRemovedV0(ev.block_hashes)
-            if self.positional:
-                return _WireRemovedPos(ev.block_hashes, ev.medium)
-            return _WireRemoved(ev.block_hashes, ev.medium, ev.group_idx)
-        if isinstance(ev, AllBlocksCleared):
-            return _WireClearedPos() if self.positional else _WireCleared()
-        raise TypeError(f"not a KV event: {type(ev).__name__}")
+        form = self._forms.get(type(ev))
+        if form is None:  # a subclass, e.g. a positionally decoded event
+            form = next((f for f in self._forms.values() if isinstance(ev, f.cls)), None)
+            if form is None:
+                raise TypeError(f"not a KV event: {type(ev).__name__}")
+        return form.wire(*astuple(ev)[: form.n_fields])
 
     def encode(self, ts: float, events: list[KVEvent], data_parallel_rank: int | None = None) -> bytes:
         wire = [self._wire(e) for e in events]
-        if self.positional and not self.with_medium:
+        if self._v0:
             if data_parallel_rank is not None:
                 raise ValueError("the first releases' batches carry no data_parallel_rank")
-            return self._enc.encode(_WireBatchV0(ts, wire))
-        cls = _WireBatchMap if self.batch_map else _WireBatchArr
+            return self._enc.encode(_BatchV0(ts, wire))
+        cls = _Batch if self.batch_map else _BatchArr
         return self._enc.encode(cls(ts, wire, data_parallel_rank))
 
 

@@ -1,80 +1,10 @@
-"""KV-event ingestion: ZMQ subscribers that keep a `PrefixIndex` current (DESIGN.md §4.2).
+"""KV-event ingestion: ZMQ subscribers that keep a `PrefixIndex` current.
 
-Each worker publishes vLLM-style frames `[topic, seq (8 bytes big-endian), payload]`
-on a PUB socket and keeps its last batches for replay behind a ROUTER socket. A
-`WorkerSubscriber` follows one worker; an `IngestManager` runs all of them on the
-asyncio loop that owns the index (the index is not thread-safe; see its module doc).
-
-Using it (the gateway)
-----------------------
-    index = PrefixIndex(block_size=16)
-    ingest = IngestManager(index, replay_timeout_s=1.0)
-    # inside the running loop; registers the worker in the index when ns_digest is given.
-    # One of our workers (/info kind "kvroute"): its block hashes are our digests.
-    ingest.add_worker("w0", "tcp://10.0.0.5:5600", replay_endpoint="tcp://10.0.0.5:5601",
-                      topic="kv", ns_digest=ns.digest, block_size=16, remote_group="rg0",
-                      trusted_digests=True)
-    # a vLLM that publishes to tcp://127.0.0.1:P *connects*: the subscriber must bind
-    ingest.add_worker("v1", "tcp://127.0.0.1:5700", bind=True, ns_digest=ns.digest, block_size=32)
-    ingest.health()               # {"w0": {...}, "v1": {...}}, shape below
-    ingest.resync("w0")           # e.g. the worker's /info shows it restarted
-    await ingest.remove_worker("w0")   # stops it and removes it from the index
-    await ingest.close()
-
-`health()[worker_id]` is a dict of plain values:
-    state                "waiting" (nothing yet) | "live" | "replaying" | "stopped"
-    endpoint, replay_endpoint, bind, topic
-    last_seq             last sequence number applied (None before the first)
-    last_event_age_s     seconds since the last batch was applied (None before the first)
-    batches, events      batches and events applied (replayed ones included)
-    blocks_stored, blocks_removed, cleared     what those events did
-    gaps                 sequence gaps seen on the live stream
-    replays              replay requests sent (gaps, first contact with a running publisher)
-    replay_failures      replays that timed out or returned garbage
-    resyncs              times this worker's entries were dropped (cannot cover a gap,
-                         publisher restart, requested); last_resync_reason says why
-    restarts             publisher restarts seen (sequence went backwards)
-    duplicates           batches seen twice (live copies of replayed ones), skipped
-    decode_errors        payloads that were not an event batch, skipped
-    bad_frames           messages with the wrong frame count or a bad sequence frame
-    foreign_topic        messages on another topic (SUB filters by prefix only)
-    bad_events, unknown_removed, orphans, unknown_medium, ignored    from the index
-    trusted_digests      whether the index applies this worker's hashes as digests now
-                         (False from the start, or since a digest mismatch)
-    digests_verified     trusted chain roots recomputed from their tokens (sampled)
-    digest_mismatches    of those, the ones that differed: the worker's entries were
-                         dropped and it was switched to the verified path for good
-                         (a misconfigured worker: model revision, dtype, block size...)
-    unregistered         batches skipped because the worker had left the index already
-    internal_errors      unexpected exceptions caught so that ingestion goes on
-
-Sequence rules
---------------
-- the next expected batch is applied; a batch with a higher sequence is a gap: the
-  missing ones are replayed from the publisher's ROUTER (request `[b"", start]`
-  from a DEALER, replies `[b"", seq, payload]`, end marker `[b"", -1, b""]`);
-- live batches that arrive meanwhile wait in the SUB socket's queue (high-water
-  mark `rcv_hwm`) and are applied after the replay, in order; the ones the replay
-  already covered are skipped as duplicates;
-- when the replay cannot cover the gap (the first replayed batch is later than the
-  one missing, no replay endpoint, a timeout) the worker's entries are dropped
-  (`PrefixIndex.clear_worker`) and rebuilt from what follows;
-- a sequence going backwards means the publisher restarted: entries dropped, and
-  whatever it still buffers is replayed from 0;
-- on first contact with a publisher already past sequence 0, its buffer is
-  replayed from 0 (whatever it still has; the rest is never known, which only
-  makes the index miss blocks, never invent them).
-Limitation: a publisher that restarts while we are disconnected and overtakes our
-expected sequence before we reconnect looks like a gap, not a restart; the owner
-should call `resync()` when it learns of a restart by other means.
-
-Bad input (wrong frame count, malformed msgpack, unknown tags, wrong field types,
-removals of unknown blocks) is counted and skipped; ingestion never stops on it.
-
-Decoding: a worker the index trusts (`PrefixIndex.trusts_digests`, asked per batch,
-so a worker switched to the verified path after a mismatch is decoded eagerly
-again) is decoded with `EventDecoder(lazy=True)`: its token ids stay msgpack until
-the index samples an event for verification.
+A `WorkerSubscriber` follows one worker's vLLM-style event stream and replay socket;
+an `IngestManager` runs all of them on the asyncio loop that owns the index (which is
+not thread-safe). A sequence gap is replayed; when the replay cannot cover it, the
+worker's entries are dropped and rebuilt from what follows, so the index may miss
+blocks but never invents them. docs/ingest.md: usage, health fields, sequence rules.
 """
 from __future__ import annotations
 
@@ -90,16 +20,21 @@ import zmq
 import zmq.asyncio
 
 from .events import END_SEQ, EventDecodeError, EventDecoder, seq_from_bytes, seq_to_bytes
-from .index import DEFAULT_VERIFY_EVERY, ApplyStats, IndexError_, PrefixIndex
+from .index import DEFAULT_VERIFY_EVERY, IndexError_, PrefixIndex
+from .stats import ApplyStats
 
 log = logging.getLogger(__name__)
 
 Buffer = bytes | memoryview
 
 
+# Index counters exported under another name than `ApplyStats`'s (the rest keep theirs).
+_EXPORTED_AS = {"stored": "blocks_stored", "removed": "blocks_removed"}
+
+
 @dataclass(slots=True)
 class WorkerHealth:
-    """Counters of one subscriber (see the module doc for each field)."""
+    """Counters of one subscriber (docs/ingest.md describes each exported field)."""
 
     worker_id: str
     endpoint: str
@@ -111,9 +46,6 @@ class WorkerHealth:
     last_event_age_s: float | None = None
     batches: int = 0
     events: int = 0
-    blocks_stored: int = 0
-    blocks_removed: int = 0
-    cleared: int = 0
     gaps: int = 0
     replays: int = 0
     replay_failures: int = 0
@@ -124,28 +56,17 @@ class WorkerHealth:
     decode_errors: int = 0
     bad_frames: int = 0
     foreign_topic: int = 0
-    bad_events: int = 0
-    unknown_removed: int = 0
-    orphans: int = 0
-    unknown_medium: int = 0
-    ignored: int = 0
     trusted_digests: bool = False
-    digests_verified: int = 0
-    digest_mismatches: int = 0
     unregistered: int = 0
     internal_errors: int = 0
+    applied: ApplyStats = field(default_factory=ApplyStats)  # what the index did with the batches
 
-    def count(self, st: ApplyStats) -> None:
-        self.blocks_stored += st.stored
-        self.blocks_removed += st.removed
-        self.cleared += st.cleared
-        self.bad_events += st.bad_events
-        self.unknown_removed += st.unknown_removed
-        self.orphans += st.orphans
-        self.unknown_medium += st.unknown_medium
-        self.ignored += st.ignored
-        self.digests_verified += st.digests_verified
-        self.digest_mismatches += st.digest_mismatches
+    def export(self) -> dict[str, Any]:
+        """Plain values by name, the index's counters among the subscriber's own."""
+        out = asdict(self)
+        applied = out.pop("applied")
+        out.update({_EXPORTED_AS.get(name, name): v for name, v in applied.items()})
+        return out
 
 
 @dataclass(slots=True)
@@ -157,7 +78,7 @@ class _Replay:
 
 
 class WorkerSubscriber:
-    """Follows one worker's KV-event stream into the index (see the module doc).
+    """Follows one worker's KV-event stream into the index (sequence rules: docs/ingest.md).
 
     The socket is created (bound or connected) in the constructor, so a bad
     endpoint fails at once; `start()` then runs the receive loop as a task on the
@@ -254,7 +175,7 @@ class WorkerSubscriber:
         h = self.health
         h.trusted_digests = self.index.trusts_digests(self.worker_id)
         h.last_event_age_s = None if self._last_applied_at is None else self._clock() - self._last_applied_at
-        return asdict(h)
+        return h.export()
 
     # ------------------------------------------------------------------ receive loop
 
@@ -340,7 +261,7 @@ class WorkerSubscriber:
             h.unregistered += 1
             return
         h.events += len(batch.events)
-        h.count(st)
+        h.applied.add(st)
         if st.digest_mismatches:
             log.warning(
                 "kv-ingest %s: published block hashes differ from the keys recomputed from their tokens "
@@ -412,7 +333,7 @@ class WorkerSubscriber:
             await sock.send_multipart([b"", seq_to_bytes(start)])
             timeout_ms = int(self._replay_timeout_s * 1000)
             while True:
-                if not await sock.poll(timeout_ms, zmq.POLLIN):
+                if not await sock.poll(timeout_ms):  # readable (POLLIN, the default flags)
                     out.ok = False  # timed out: nothing, or no end marker
                     return out
                 frames = await sock.recv_multipart()
@@ -447,7 +368,7 @@ class WorkerSubscriber:
 
 
 class IngestManager:
-    """All subscribers of one gateway, on one asyncio loop (see the module doc).
+    """All subscribers of one gateway, on one asyncio loop.
 
     Constructor: `IngestManager(index, *, replay_timeout_s=1.0, max_replay_batches=100_000,
     ctx=None)`; pass a `zmq.asyncio.Context` to share one, otherwise the manager owns

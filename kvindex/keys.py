@@ -1,4 +1,4 @@
-"""Block keys and namespaces (DESIGN.md §4.1).
+"""Block keys and namespaces.
 
 Only full blocks are keyed. Each key chains the previous one:
 
@@ -73,7 +73,7 @@ def tokens_to_bytes(tokens: Sequence[int] | bytes | memoryview | np.ndarray) -> 
 
 @dataclass(frozen=True)
 class Namespace:
-    """Everything that makes KV non-interchangeable (DESIGN.md §4.1).
+    """Everything that makes KV non-interchangeable.
 
     The model-level part (model id, weight revision, tokenizer revision, KV dtype,
     parallel layout, block size) is fixed per deployment and hashed into `digest`.
@@ -182,7 +182,7 @@ class Namespace:
         """Per-block extra keys, one entry per block (what vLLM publishes as `extra_keys`)."""
         cached = self._extra_cache.get(n_blocks, ...)
         if cached is not ...:
-            return cached  # type: ignore[return-value]
+            return cached
         layout = self.extra_layout()
         out: list[ExtraKeys | None] | None = None
         if layout is not None:
@@ -277,7 +277,7 @@ class BlockHasher:
                 prev = h.digest()
                 append(prev)
         else:
-            for st, (chunk,) in zip(states, self._split(buf)):
+            for st, (chunk,) in zip(states, self._split(buf), strict=False):  # buf may hold fewer blocks
                 h = st.copy()
                 h.update(prev + chunk)
                 prev = h.digest()
@@ -335,4 +335,5 @@ def digests64(keys: Sequence[bytes]) -> list[int]:
     """`digest64` of many keys at once (one join, one numpy view)."""
     if not keys:
         return []
-    return np.frombuffer(b"".join(keys), dtype="<u8")[:: KEY_BYTES // 8].tolist()
+    out: list[int] = np.frombuffer(b"".join(keys), dtype="<u8")[:: KEY_BYTES // 8].tolist()
+    return out

@@ -12,7 +12,7 @@ struct options) for three generations of the format:
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any
 
 import msgspec
 import pytest
@@ -47,10 +47,10 @@ class V0KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
 
 class V0BlockStored(V0KVCacheEvent, tag="BlockStored"):
     block_hashes: list[int]
-    parent_block_hash: Optional[int]
+    parent_block_hash: int | None
     token_ids: list[int]
     block_size: int
-    lora_id: Optional[int]
+    lora_id: int | None
 
 
 class V0BlockRemoved(V0KVCacheEvent, tag="BlockRemoved"):
@@ -67,7 +67,7 @@ class V0AllBlocksCleared(V0KVCacheEvent, tag="AllBlocksCleared"):
 class V1EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
     events: list[Any]
-    data_parallel_rank: Optional[int] = None
+    data_parallel_rank: int | None = None
 
 
 class V1KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
@@ -75,17 +75,17 @@ class V1KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
 
 
 class V1BlockStored(V1KVCacheEvent, tag="BlockStored"):
-    block_hashes: list[Union[bytes, int]]
-    parent_block_hash: Optional[Union[bytes, int]]
+    block_hashes: list[bytes | int]
+    parent_block_hash: bytes | int | None
     token_ids: list[int]
     block_size: int
-    lora_id: Optional[int]
-    medium: Optional[str]
+    lora_id: int | None
+    medium: str | None
 
 
 class V1BlockRemoved(V1KVCacheEvent, tag="BlockRemoved"):
-    block_hashes: list[Union[bytes, int]]
-    medium: Optional[str]
+    block_hashes: list[bytes | int]
+    medium: str | None
 
 
 class V1AllBlocksCleared(V1KVCacheEvent, tag="AllBlocksCleared"):
@@ -237,12 +237,12 @@ def test_our_events_decode_with_vllms_own_structs():
     """A subscriber built for vLLM reads what our workers publish."""
     ours = [full_stored(parent_block_hash=None), BlockRemoved([7], "GPU"), AllBlocksCleared()]
     batch = msgspec.msgpack.Decoder(V2ArrayEventBatch).decode(EventEncoder().encode(TS, ours))
-    v2 = msgspec.msgpack.Decoder(list[Union[V2BlockStored, V2BlockRemoved, V2AllBlocksCleared]])
+    v2 = msgspec.msgpack.Decoder(list[V2BlockStored | V2BlockRemoved | V2AllBlocksCleared])
     events = v2.decode(msgspec.msgpack.encode(batch.events))
     assert [type(e).__name__ for e in events] == ["V2BlockStored", "V2BlockRemoved", "V2AllBlocksCleared"]
     assert events[0].extra_keys == [("adapter", "salt"), ("adapter",)] and events[1].medium == "GPU"
     legacy = msgspec.msgpack.Decoder(V1EventBatch).decode(EventEncoder(positional=True).encode(TS, ours))
-    old = msgspec.msgpack.Decoder(list[Union[V1BlockStored, V1BlockRemoved, V1AllBlocksCleared]])
+    old = msgspec.msgpack.Decoder(list[V1BlockStored | V1BlockRemoved | V1AllBlocksCleared])
     assert old.decode(msgspec.msgpack.encode(legacy.events))[0].medium == "CPU"
 
 

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch, EventDecoder, EventEncoder
 from kvindex.index import IndexError_, PrefixIndex, PrefixMatch
 from kvindex.keys import BlockHasher, Namespace, digests64
+from kvindex.stats import COUNTERS, ApplyStats
 from kvindex.tiers import Tier
 
 BS = 4
@@ -113,6 +114,31 @@ def test_events_edge_cases_are_counted_never_raised():
     assert (st.stored, st.orphans, st.unknown_removed, st.unknown_medium) == (2, 2, 2, 1)
     assert (st.bad_events, st.ignored) == (8, 1)
     assert idx.match(ds)["a"].runs == ((Tier.DISK, 2),)
+
+
+def test_worker_stats_sum_every_counter_of_every_batch():
+    """`ApplyStats`'s fields drive the per-worker totals: no counter is left out of the sum."""
+    t = toks(4, 4)
+    ds = digests64(HASHER.keys(t))
+    drifted = digests64(BlockHasher.for_namespace(Namespace("m", revision="other", block_size=BS)).keys(t))
+    idx = PrefixIndex(BS, max_workers=4)
+    idx.add_worker("a", NS.digest, BS)
+    idx.add_worker("b", NS.digest, BS, trusted_digests=True)
+    batches = {
+        "a": [
+            [ours(t, 0, 2, "tape"), ours(t, 2, 4, parent_ok=False), BlockRemoved([ds[0], 777], "DISK")],
+            [BlockStored([1], None, t[:BS], BS, None, "GPU", None, group_idx=1), "junk", AllBlocksCleared()],
+        ],
+        "b": [[BlockStored(drifted, None, t, BS, None, "GPU", None)]],  # its digests differ from ours
+    }
+    seen = ApplyStats()
+    for wid, wbatches in batches.items():
+        total = ApplyStats()
+        for b in wbatches:
+            total.add(idx.apply(wid, b))
+        assert next(s for s in idx.worker_stats() if s.worker_id == wid).counters() == total.counters()
+        seen.add(total)
+    assert set(COUNTERS) == set(seen.counters()) and all(seen.counters().values())  # every counter exercised
 
 
 def test_clears_retire_slots_and_sweeps_reclaim_them():
@@ -287,7 +313,7 @@ class Naive:
                 if pd is None or not self.live(pd):
                     return  # orphans
             if w.kind == "vllm":
-                for j, b in zip(range(lo, hi), blocks):
+                for j, b in zip(range(lo, hi), blocks, strict=True):
                     w.emap[engine_hash(p, j, k)] = b
         target.update(flat)
 
@@ -417,7 +443,7 @@ def test_match_equals_brute_force_reference(trusted, data):
                 ref.remove(wid, p, lo, hi, medium)
         for p, ds in ROUTER_DS.items():
             assert idx.match(ds) == ref.match(ds, False), (name, wid, p)
-    for p, ds in ROUTER_DS.items():
+    for ds in ROUTER_DS.values():
         assert idx.match(ds, include_draining=True) == ref.match(ds, True)
         for lo in (1, 3):
             assert idx.match(ds[lo:]) == ref.match(ds[lo:], False)

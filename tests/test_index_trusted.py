@@ -63,7 +63,7 @@ def stats(idx: PrefixIndex, wid: str):
 
 
 def full_keys(idx: PrefixIndex) -> int:
-    return sum(map(len, idx._kshards))
+    return sum(map(len, idx._blocks.full_keys))
 
 
 # ----------------------------------------------------------------------------- basics
@@ -338,7 +338,7 @@ def test_trusted_equals_verified_on_simulated_engine_streams(seed):
     for d in seen:
         assert trusted.holders(d) == verified.holders(d)
     assert trusted.entries() == verified.entries() and len(trusted) == len(verified)
-    for a, b in zip(verified.worker_stats(), trusted.worker_stats()):
+    for a, b in zip(verified.worker_stats(), trusted.worker_stats(), strict=True):
         assert a.blocks == b.blocks and (a.stored, a.removed, a.orphans) == (b.stored, b.removed, b.orphans)
         assert b.trusted_digests and b.digests_verified > 0 and b.digest_mismatches == 0
         assert a.engine_map == b.engine_map == 0

@@ -42,6 +42,8 @@ class VllmStylePublisher:
         replay_delay_s: float = 0.0,
         encoder: EventEncoder | None = None,
     ) -> None:
+        """`replay_omits`: sequences the ROUTER leaves out of its replies (a buffer that
+        missed them, e.g. not yet appended when the request came)."""
         self.topic = topic
         self.pub = ctx.socket(zmq.XPUB)
         self.pub.setsockopt(zmq.LINGER, 0)
@@ -64,6 +66,7 @@ class VllmStylePublisher:
         self.seq = 0
         self.replay_delay_s = replay_delay_s
         self.replay_requests: list[int] = []
+        self.replay_omits: set[int] = set()
         self.enc = encoder or EventEncoder()
 
     async def wait_subscribed(self, timeout: float = 5.0) -> None:
@@ -100,7 +103,7 @@ class VllmStylePublisher:
             if self.replay_delay_s:
                 await asyncio.sleep(self.replay_delay_s)
             for seq, buf in list(self.buffer):
-                if seq >= start_seq:
+                if seq >= start_seq and seq not in self.replay_omits:
                     await self.router.send_multipart([client, b"", seq.to_bytes(8, "big"), buf])
             await self.router.send_multipart([client, b"", (-1).to_bytes(8, "big", signed=True), b""])
 
@@ -209,8 +212,7 @@ async def test_live_batches_wait_for_a_slow_replay_in_order(ctx, index):
         await wait_until(lambda: sub.health.batches == 1)
         await pub.publish([a.stored(2, 4)], deliver=False)  # lost
         await pub.publish([a.stored(4, 6)])  # gap -> slow replay starts
-        await asyncio.sleep(0.05)
-        assert sub.health.state == "replaying"
+        await wait_until(lambda: sub.health.state == "replaying")
         # Published during the replay: order matters (store then remove then store).
         await pub.publish([a.removed(0, 1)])
         await pub.publish([a.stored(0, 1, "CPU"), a.stored(6, 8)])
@@ -255,6 +257,38 @@ async def test_replay_window_passed_drops_and_rebuilds(ctx, index):
         await pub.close()
 
 
+@pytest.mark.parametrize(
+    ("omitted", "reason"),
+    [({2, 3}, "gap not covered by the replay"), ({2}, "hole in the replay")],
+    ids=["replay-stops-short", "hole-in-replay"],
+)
+async def test_gap_the_replay_cannot_fill_resyncs(ctx, index, omitted, reason):
+    """The replay answers but lacks some of the missing batches: what they did is unknown,
+    so the worker's entries are dropped instead of trusting a stale picture."""
+    pub = VllmStylePublisher(ctx)
+    mgr, sub = await start(ctx, index, pub)
+    try:
+        a, b, c = Chain(120, 4), Chain(121, 2), Chain(122, 2)
+        await pub.publish([a.stored(0, 4)])  # seq 0
+        await wait_until(lambda: matched(index, a) == 4)
+        await pub.publish([b.stored(0, 2)], deliver=False)  # seq 1: lost, replayed
+        await pub.publish([a.removed(0, 4)], deliver=False)  # seq 2: lost, and not in the replay
+        pub.replay_omits |= omitted
+        await pub.publish([c.stored(0, 2)])  # seq 3 reveals the gap
+        await wait_until(lambda: sub.health.last_seq == 3)
+        h = mgr.health()["w"]
+        assert pub.replay_requests == [1]
+        assert (h["gaps"], h["replays"], h["replay_failures"]) == (1, 1, 0)
+        assert (h["resyncs"], h["last_resync_reason"]) == (1, reason)
+        assert matched(index, a) == 0  # removed by the batch never seen: must not be claimed
+        assert matched(index, b) == 0  # dropped with the rest
+        assert matched(index, c) == 2  # rebuilt from what followed
+        assert h["state"] == "live" and h["internal_errors"] == 0
+    finally:
+        await mgr.close()
+        await pub.close()
+
+
 async def test_gap_without_replay_endpoint_drops(ctx, index):
     pub = VllmStylePublisher(ctx, replay=False)
     mgr, sub = await start(ctx, index, pub)
@@ -267,6 +301,7 @@ async def test_gap_without_replay_endpoint_drops(ctx, index):
         await wait_until(lambda: sub.health.last_seq == 2)
         h = mgr.health()["w"]
         assert (h["gaps"], h["replays"], h["resyncs"]) == (1, 0, 1)
+        assert h["last_resync_reason"] == "gap and no replay endpoint"
         assert matched(index, a) == 0 and matched(index, b) == 0 and h["orphans"] == 2
     finally:
         await mgr.close()
@@ -450,6 +485,22 @@ async def test_fuzzed_messages_never_break_ingestion(ctx, messages):
         assert matched(index, a) == 2  # still ingesting correctly afterwards
         h = sub.snapshot()
         assert h["internal_errors"] == 0
+    finally:
+        await sub.close()
+
+
+async def test_health_exports_every_index_counter(ctx, index):
+    index.add_worker("w", NS.digest, BS)
+    sub = WorkerSubscriber("w", index, ctx, "tcp://127.0.0.1:1", replay_endpoint=None)
+    try:
+        a = Chain(130, 2)
+        batch = EventEncoder().encode(1.0, [a.stored(0, 2), a.removed(0, 1)])
+        await sub.on_frames([b"kv", (0).to_bytes(8, "big"), batch])
+        h = sub.snapshot()
+        assert (h["blocks_stored"], h["blocks_removed"]) == (2, 1)
+        exported_as = {"stored": "blocks_stored", "removed": "blocks_removed"}
+        for name, value in index.worker_stats()[0].counters().items():
+            assert h[exported_as.get(name, name)] == value, name
     finally:
         await sub.close()
 
