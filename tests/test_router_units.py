@@ -187,3 +187,13 @@ def test_neutral_values_ask_for_nothing(field: str, value: Any) -> None:
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], field: value}
     raw, r = _raw_and_req(msgspec.json.encode(body), True)
     assert ours_problem(raw, r, 4) is None
+
+
+def test_add_special_tokens_is_neutral_at_each_endpoints_own_default() -> None:
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    comp = {"model": "m", "prompt": "hi"}
+    for body, chat_route, value, ok in ((chat, True, False, True), (chat, True, True, False),
+                                        (comp, False, True, True), (comp, False, False, False)):
+        raw, r = _raw_and_req(msgspec.json.encode({**body, "add_special_tokens": value}), chat_route)
+        e = ours_problem(raw, r, 4)
+        assert (e is None) is ok and (ok or e.param == "add_special_tokens")

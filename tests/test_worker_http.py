@@ -1,8 +1,10 @@
 """The worker HTTP surface (docs/wire.md) over simulated workers started in-process on
 free ports: OpenAI completions and chat (stream or not, ids or text), usage and the `kv`
-extension, /load, /info, /kv/prefetch (+ cancel, + peer pull in and across processes),
-/kv/blocks auth, /kv/purge, /health, /metrics, OpenAI-shaped errors, client disconnects,
-and a ZMQ subscriber receiving the worker's KV events (and replaying them)."""
+extension, /v1/models (OpenAI SDK), /load, /info, /kv/prefetch (+ cancel, + peer pull in
+and across processes), /kv/blocks auth, /kv/purge, /health, /metrics, OpenAI-shaped
+errors, client disconnects, and a ZMQ subscriber receiving the worker's KV events (and
+replaying them). The FastAPI side (/openapi.json, tokenizer, fields rule, direct lane):
+tests/test_worker_openapi.py."""
 from __future__ import annotations
 
 import asyncio
@@ -153,6 +155,9 @@ async def test_chat_stream_and_not(cluster: SimCluster, http: aiohttp.ClientSess
 async def test_openai_sdk(cluster: SimCluster) -> None:
     client = openai.AsyncOpenAI(base_url=cluster.workers[0].url + "/v1", api_key="unused")
     try:
+        models = await client.models.list()
+        assert models.data[0].id == "test/model"
+        assert (await client.models.retrieve("test/model")).id == "test/model"
         r = await client.completions.create(model="test/model", prompt=ids(3, 40), max_tokens=5)
         assert r.usage is not None and r.usage.completion_tokens == 5
         assert r.usage.prompt_tokens_details is None or r.usage.prompt_tokens_details.cached_tokens == 0
@@ -189,7 +194,10 @@ async def test_errors_are_openai_shaped(cluster: SimCluster, http: aiohttp.Clien
         ("/v1/completions", {"prompt": ids(1, 400), "max_tokens": 200}, 400, "max_tokens"),  # > context 512
         ("/v1/completions", {"prompt": ids(1, 150), "max_tokens": 20}, 400, "prompt"),  # > 40 KV blocks
         ("/v1/chat/completions", {"messages": []}, 400, "messages"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, None),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+         "messages[0].content[0]"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, 400, "logprobs"),
+        ("/v1/completions", {"prompt": [1, 2], "echo": True}, 400, "echo"),
         ("/kv/prefetch", {"prefetch_id": "p", "keys_b64": "!!!"}, 400, "keys_b64"),
         ("/kv/prefetch", {"prefetch_id": "p", "keys_b64": base64.b64encode(b"x" * 31).decode()}, 400, "keys_b64"),
         ("/kv/prefetch", {"prefetch_id": "p", "keys_b64": "", "deadline_ms": -1}, 400, "deadline_ms"),

@@ -36,6 +36,11 @@ class GenRequest:
     shared_prefix_blocks: int = 0
     lora: str | None = None
     ignore_eos: bool = False
+    # OpenAI sampling (None: OpenAI's default). The simulated engine does not sample.
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
 
 
 @dataclass(slots=True)

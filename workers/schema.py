@@ -1,13 +1,16 @@
-"""Request bodies the worker HTTP surface accepts (docs/wire.md), decoded with msgspec.
+"""Request bodies the worker HTTP surface accepts (docs/wire.md), decoded with msgspec,
+and the error body it answers with. The same structs give `/openapi.json` its schemas.
 
-Unknown OpenAI fields (temperature, top_p, stop, user, seed, ...) are accepted and
-ignored, as an engine that cannot honour them must not fail on them; features that
-would change the answer's shape and are not supported (n > 1, echo, logprobs) are
-refused by the app with a 400.
+Generation bodies hold only the fields the worker reads. Which other OpenAI fields may
+appear is not decided here but by `kvwire.openai` (shared with the gateway): the app
+checks the raw body against it first, so a field our engines do not implement (n > 1,
+echo, logprobs, response_format, tools, ...) gets a 400 naming it, never a silent drop;
+what that list calls implemented or metadata only (temperature, seed, user, ...) is
+accepted. /tokenize and /detokenize refuse any field they do not know.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -17,6 +20,8 @@ class StreamOptions(msgspec.Struct):
 
 
 class KVExtension(msgspec.Struct):
+    """kvroute's extension: blocks shared across tenants, and the router's request id."""
+
     shared_prefix_blocks: int = 0
     request_id: str | None = None
 
@@ -24,39 +29,59 @@ class KVExtension(msgspec.Struct):
 class _Common(msgspec.Struct):
     model: str | None = None
     max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     cache_salt: str | None = None
     ignore_eos: bool = False
     kv: KVExtension | None = None
-    n: int = 1
-    logprobs: Any = None
     lora: str | None = None
 
 
-class CompletionIds(_Common):
-    """`prompt` as token ids (what the router sends): validated in C."""
+class CompletionBody(_Common):
+    """POST /v1/completions: one prompt, as token ids (what the router sends) or text."""
 
-    prompt: list[int] = []
-    echo: bool = False
+    prompt: str | list[int] | None = None
 
 
-class CompletionAny(_Common):
-    """Any other `prompt` shape; the app accepts a string, refuses batches."""
-
-    prompt: Any = None
-    echo: bool = False
+class TextPart(msgspec.Struct):
+    type: Literal["text"]
+    text: str
 
 
 class ChatMessage(msgspec.Struct):
     role: str
-    content: Any = None
+    content: str | list[TextPart] | None = None
 
 
 class ChatBody(_Common):
+    """POST /v1/chat/completions: messages rendered with the engine's chat template."""
+
     messages: list[ChatMessage] = []
     max_completion_tokens: int | None = None
-    top_logprobs: int | None = None
+
+
+class TokenizeBody(msgspec.Struct, forbid_unknown_fields=True):
+    """POST /tokenize (vLLM's shape): `prompt` as a completion encodes it, or `messages`
+    as a chat completion renders them. Only the values this worker applies are accepted."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # vLLM's default: true for a prompt, false for messages
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False
+
+
+class DetokenizeBody(msgspec.Struct, forbid_unknown_fields=True):
+    """POST /detokenize (vLLM's shape)."""
+
+    tokens: list[int]
+    model: str | None = None
 
 
 class PeerBody(msgspec.Struct):
@@ -80,3 +105,22 @@ class BlocksBody(msgspec.Struct):
 class PurgeBody(msgspec.Struct):
     cache_salt: str | None = None
     all: bool = False
+
+
+class ErrorInfo(msgspec.Struct, omit_defaults=False):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(msgspec.Struct):
+    """Every error the worker answers with, in OpenAI's shape."""
+
+    error: ErrorInfo
+
+
+# Bodies documented in /openapi.json under components/schemas (by class name).
+DOCUMENTED: tuple[type[msgspec.Struct], ...] = (
+    CompletionBody, ChatBody, TokenizeBody, DetokenizeBody, PrefetchBody, BlocksBody, PurgeBody, ErrorBody,
+)

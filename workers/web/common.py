@@ -1,9 +1,10 @@
 """What every worker route shares: OpenAI-shaped errors, bounded body reading, block keys
-in base64, and the limits derived from the engine's /info."""
+in base64, and what the engine's /info fixes (limits, served model names)."""
 from __future__ import annotations
 
 import base64
 import binascii
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,12 +13,15 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from kvwire import WorkerInfo
-from workers.errors import BadRequest, EngineError
+from workers.errors import BadRequest, EngineError, NotFound
+from workers.schema import ErrorBody, ErrorInfo
 
 KEY_BYTES = 32
 MAX_BODY_BYTES = 64 * 1024 * 1024
 JSON = "application/json"
 ENCODER = msgspec.json.Encoder()
+_DEC_OBJECT = msgspec.json.Decoder(dict[str, Any])
+_UNKNOWN_FIELD = re.compile(r"Object contains unknown field `([^`]*)`")
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +39,35 @@ class Limits:
         return cls(max_body_bytes, max_ctx, max(1, max_ctx // block_size) if max_ctx else 1 << 16)
 
 
+@dataclass(frozen=True, slots=True)
+class ServedModels:
+    """The model names a worker answers to. `names` is what /v1/models lists (the served
+    names, else the model), its first the name responses carry; the model id itself is
+    accepted too, as vLLM's clients often send it."""
+
+    names: tuple[str, ...]
+    accepted: frozenset[str]
+    root: str
+    max_model_len: int | None
+
+    @classmethod
+    def from_info(cls, info: WorkerInfo) -> ServedModels:
+        names = tuple(info.served_model_names or [info.model])
+        return cls(names, frozenset(names) | {info.model}, info.model or names[0], info.max_context_tokens)
+
+    @property
+    def default(self) -> str:
+        return self.names[0]
+
+    def resolve(self, model: str | None) -> str:
+        """The name to answer with: the default when none is asked for, 404 for a stranger."""
+        if model is None or model == "":
+            return self.default
+        if model not in self.accepted:
+            raise NotFound(f"The model `{model}` does not exist on this worker", param="model")
+        return model
+
+
 def error_response(
     status: int,
     message: str,
@@ -46,7 +79,7 @@ def error_response(
 ) -> Response:
     """OpenAI's error shape: `{"error": {message, type, param, code}}` (+ Retry-After)."""
     headers = {"Retry-After": str(max(1, int(retry_after + 0.999)))} if retry_after is not None else None
-    body = {"error": {"message": message, "type": type, "param": param, "code": code}}
+    body = ErrorBody(ErrorInfo(message, type, param, code))
     return Response(ENCODER.encode(body), status_code=status, media_type=JSON, headers=headers)
 
 
@@ -59,9 +92,26 @@ def json_response(obj: Any, status: int = 200) -> Response:
     return Response(ENCODER.encode(obj), status_code=status, media_type=JSON)
 
 
+class Unsupported(BadRequest):
+    """A request field this worker does not implement: refused, never silently dropped."""
+
+    code = "unsupported_parameter"
+
+    def __init__(self, field: str, what: str | None = None) -> None:
+        super().__init__(f"{what or field} is not supported by this worker", param=field)
+
+
+def decode_object(raw: bytes) -> dict[str, Any]:
+    """A JSON body that must be an object (msgspec errors become 400s in the app)."""
+    return _DEC_OBJECT.decode(raw)
+
+
 def decode_error(e: msgspec.MsgspecError) -> BadRequest:
     """A body msgspec refused, as a 400 naming the offending field when msgspec does."""
     msg = str(e)
+    unknown = _UNKNOWN_FIELD.match(msg)
+    if unknown is not None:
+        return Unsupported(unknown.group(1))
     param = None
     if " - at `$." in msg:
         param = msg.rsplit("`$.", 1)[1].rstrip("`").split("[")[0]
