@@ -4,6 +4,8 @@
     kvroute up --sim [--workers N] [--profile NAME] [--config FILE] [--port P]
                                            gateway on 127.0.0.1:8000 + N local simulated workers
     kvroute sim-cluster ...                N simulated workers in one process (workers.cli)
+    kvroute worker --model DIR|default --port P ...
+                                           one real-engine worker (workers.cli engine; torch)
     kvroute loadtest ...                   the load-test harness (loadtest.cli)
     kvroute kv-size ...                    KV bytes per token / block / request (kvroute.kvsize)
 
@@ -165,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     u.set_defaults(fn=cmd_up)
     sub.add_parser("sim-cluster", help="N simulated workers in one process (see: kvroute sim-cluster --help)",
                    add_help=False)
+    sub.add_parser("worker", help="one real-engine worker (see: kvroute worker --help)", add_help=False)
     sub.add_parser("loadtest", help="replay traces, simulate policies, run scenarios (kvroute loadtest --help)",
                    add_help=False)
     sub.add_parser("kv-size", help="KV bytes per token / block / request (kvroute kv-size --help)", add_help=False)
@@ -175,6 +178,12 @@ def _sim_cluster(args: list[str]) -> int:
     from workers.cli import main as workers_main
 
     return workers_main(args)
+
+
+def _worker(args: list[str]) -> int:
+    from workers.cli import main as workers_main
+
+    return workers_main(["engine", *args])
 
 
 def _loadtest(args: list[str]) -> int:
@@ -190,7 +199,12 @@ def _kv_size(args: list[str]) -> int:
 
 
 # Subcommands whose own parser takes every argument after their name.
-_DELEGATED = {"sim-cluster": lambda a: _sim_cluster(["sim-cluster", *a]), "loadtest": _loadtest, "kv-size": _kv_size}
+_DELEGATED = {
+    "sim-cluster": lambda a: _sim_cluster(["sim-cluster", *a]),
+    "worker": _worker,
+    "loadtest": _loadtest,
+    "kv-size": _kv_size,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

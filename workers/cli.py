@@ -1,4 +1,5 @@
-"""Worker command line: `python -m workers.cli sim-cluster ...` (`kvroute sim-cluster` execs it).
+"""Worker command line: `python -m workers.cli sim-cluster ...` (`kvroute sim-cluster` execs it)
+and `python -m workers.cli engine ...` (`kvroute worker ...`): one real-engine worker.
 
     python -m workers.cli sim-cluster --workers N --profile NAME --base-port P
         [--host 127.0.0.1] [--events-base-port Q] [--remote-groups G] [--max-waiting M]
@@ -11,6 +12,15 @@ server with httptools each), prints one line per worker —
 comes from `--peer-token` or $KVROUTE_PEER_TOKEN (otherwise peer export is off). Text
 and chat prompts are tokenized with the profile's tokenizer folder unless `--tokenizer`
 names another (use the gateway's folder for the gateway's ids).
+
+    python -m workers.cli engine --model DIR|default --port P [--host H] [--block-size 16]
+        [--num-blocks N | --kv-bytes B] [--max-num-batched-tokens T] [--max-num-seqs S]
+        [--max-waiting M] [--device cpu|cuda] [--dtype auto|float32|bfloat16|float16]
+        [--events-port Q] [--worker-id ID] [--peer-token T] [--cache-dir DIR] ...
+
+Loads a causal LM (the bundled tiny Llama by default, its weights generated on first
+use) and serves it with the real engine (workers/engine, docs/engine.md), printing the
+same ready line as sim-cluster, then `ready`. Imports torch only for this command.
 """
 from __future__ import annotations
 
@@ -46,6 +56,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="append `monotonic_s worker request_id prompt_tokens` per accepted request "
                          "(to measure the HTTP path: bench/transport_probe.py)")
     sc.add_argument("--log-level", default="warning")
+    from workers.engine.args import add_arguments  # torch-free
+
+    add_arguments(sub.add_parser("engine", help="one real-engine worker (torch)"))
     return ap
 
 
@@ -104,6 +117,21 @@ async def _sim_cluster(args: argparse.Namespace) -> int:
     return 0
 
 
+def _engine(args: argparse.Namespace) -> int:
+    from workers.engine.args import check_arguments
+
+    err = check_arguments(args)
+    if err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    # Before transformers is imported (it reads the variable then); every load is also local_files_only.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from workers.engine.server import serve
+
+    with asyncio.Runner() as runner:
+        return runner.run(serve(args))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -120,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
             factory = None
         with asyncio.Runner(loop_factory=factory) as runner:
             return runner.run(_sim_cluster(args))
+    if args.cmd == "engine":
+        return _engine(args)
     return 2  # pragma: no cover - argparse requires a command
 
 

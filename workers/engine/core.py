@@ -1,0 +1,437 @@
+"""The engine core: block manager, scheduler, runner and sampler put together, single-threaded.
+
+A step is three calls, so that a caller can hold a lock around the bookkeeping and not
+around the model (workers/engine/loop.py): `schedule()` (pure bookkeeping: what runs,
+which blocks), `execute(plan)` (forwards and sampling: touches only the pool slots of the
+plan's sequences and their generators), `commit(plan, result)` (bookkeeping again:
+tokens appended, full blocks registered, stop conditions, finished sequences released).
+`step()` does all three, for tests and benchmarks.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from kvindex.events import KVEvent
+from kvindex.keys import BlockHasher, Namespace
+from kvwire import BlockCounts, LoadReport, NamespaceInfo, Speeds, WorkerInfo
+from workers.errors import BadRequest, QueueFull, RequestTooLarge
+from workers.usage import Usage
+
+from .blocks import BlockManager, EvictHook
+from .detok import OutputText
+from .kvpool import KVPool
+from .model import LoadedModel
+from .runner import ModelRunner
+from .sampler import Sampler
+from .scheduler import Scheduler, StepPlan
+from .sequence import KeyScope, SamplingParams, SeqStatus, Sequence
+from .speeds import Ewma, PrefillFit
+
+CPU_DEFAULT_KV_BYTES = 512 << 20
+CUDA_KV_FRACTION = 0.85  # of the device memory free after loading the weights...
+CUDA_RESERVE_BYTES = 1 << 30  # ...minus room for activations
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    worker_id: str = "w0"
+    block_size: int = 16
+    num_blocks: int | None = None  # exclusive with kv_bytes; neither: a device default
+    kv_bytes: int | None = None
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_waiting: int = 64
+    parallel: str = "tp1"
+
+
+@dataclass(slots=True)
+class SeqUpdate:
+    """What one step did for one request: its new token(s), the text that may be sent, the end."""
+
+    seq: Sequence
+    token_ids: list[int]
+    text: str
+    finished: bool
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class StepResult:
+    tokens: dict[Sequence, int] = field(default_factory=dict)
+    logits: dict[Sequence, torch.Tensor] = field(default_factory=dict)
+    prefill_times: list[tuple[int, int, float]] = field(default_factory=list)  # (n, context, seconds)
+    decode_time: float | None = None
+    end: float = 0.0
+
+
+@dataclass(slots=True)
+class CoreStats:
+    finished: int = 0
+    cancelled: int = 0
+    failed: int = 0
+    rejected_too_large: int = 0
+    rejected_queue_full: int = 0
+    computed_tokens: int = 0
+    generated_tokens: int = 0
+    steps: int = 0
+    preemptions: int = 0
+
+
+class EngineCore:
+    def __init__(
+        self,
+        lm: LoadedModel,
+        cfg: EngineConfig,
+        *,
+        on_evict: EvictHook | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        if cfg.block_size < 1:
+            raise ValueError("block_size must be positive")
+        if cfg.max_waiting < 0:
+            raise ValueError("max_waiting must be >= 0")
+        self.lm = lm
+        self.cfg = cfg
+        self.bs = cfg.block_size
+        self.namespace = Namespace(lm.model_id, lm.revision, "", lm.dtype_name, cfg.parallel, cfg.block_size)
+        self.hasher = BlockHasher.for_namespace(self.namespace)
+        num_blocks = resolve_num_blocks(cfg, lm)
+        self.pool = KVPool(lm.kv, num_blocks, cfg.block_size, lm.device)
+        self.blocks = BlockManager(num_blocks, cfg.block_size, on_evict=on_evict)
+        self.scheduler = Scheduler(self.blocks, cfg.max_num_batched_tokens, cfg.max_num_seqs)
+        self.runner = ModelRunner(lm.model, self.pool, lm.device)
+        self.sampler = Sampler()
+        self.prefill_fit = PrefillFit()
+        self.decode_step = Ewma()
+        self.stats = CoreStats()
+        self.max_context = min(lm.max_positions, num_blocks * cfg.block_size)
+        self.seqs: dict[str, Sequence] = {}
+        self._clock = clock
+
+    # ------------------------------------------------------------------ requests
+
+    def new_sequence(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        cache_salt: str | None = None,
+        shared_prefix_blocks: int = 0,
+        lora: str | None = None,
+    ) -> Sequence:
+        """A request as the engine holds it, keys hashed (no engine state touched: no lock needed)."""
+        if not prompt_ids:
+            raise BadRequest("the prompt must have at least one token", param="prompt")
+        if min(prompt_ids) < 0 or max(prompt_ids) >= self.lm.vocab_size:
+            raise BadRequest(f"prompt token ids must be in [0, {self.lm.vocab_size - 1}]", param="prompt")
+        if shared_prefix_blocks < 0:
+            raise BadRequest("shared_prefix_blocks must be >= 0", param="kv.shared_prefix_blocks")
+        ns = self.namespace.scoped(
+            lora=lora, cache_salt=cache_salt or "", shared_prefix_blocks=shared_prefix_blocks
+        )
+        scope = KeyScope(self.hasher, ns)
+        tokens = list(prompt_ids)
+        return Sequence(
+            request_id=request_id,
+            token_ids=tokens,
+            prompt_len=len(tokens),
+            params=params,
+            scope=scope,
+            keys=scope.prompt_keys(tokens),
+            arrival=self._clock(),
+            text=OutputText(self.lm.tokenizer.decode, tokens, params.stop),
+            usage=Usage(len(tokens)),
+        )
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a sequence. Raises RequestTooLarge (400), QueueFull (429), BadRequest."""
+        total = seq.prompt_len + seq.params.max_tokens
+        if total > self.max_context:
+            self.stats.rejected_too_large += 1
+            raise RequestTooLarge(
+                f"this worker's maximum context is {self.max_context} tokens (model positions and KV pool); "
+                f"the request has {seq.prompt_len} prompt tokens + {seq.params.max_tokens} max_tokens",
+                param="max_tokens",
+            )
+        if seq.request_id in self.seqs:
+            raise BadRequest(f"request id {seq.request_id!r} is already in flight", param="request_id")
+        waiting = len(self.scheduler.waiting)
+        if waiting >= self.cfg.max_waiting:
+            self.stats.rejected_queue_full += 1
+            raise QueueFull(
+                f"worker {self.cfg.worker_id} has {waiting} requests waiting (max_waiting)",
+                retry_after=max(1.0, math.ceil(self.estimate_queue_s())),
+            )
+        seq.gpu_hint = self.blocks.gpu_prefix(seq.keys, seq.cacheable_blocks) * self.bs
+        self.seqs[seq.request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request (the client went away). A waiting one goes at once; a running one
+        is released at the next step boundary (a forward may be using its blocks)."""
+        seq = self.seqs.get(request_id)
+        if seq is None or seq.aborted:
+            return False
+        seq.aborted = True
+        if seq.status is SeqStatus.WAITING:
+            self.scheduler.waiting.remove(seq)
+            self._retire(seq)
+        return True
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self) -> list[SeqUpdate]:
+        plan = self.schedule()
+        if plan.empty:
+            return []
+        return self.commit(plan, self.execute(plan))
+
+    def schedule(self) -> StepPlan:
+        self._reap()
+        plan = self.scheduler.schedule()
+        now = self._clock()
+        for seq in plan.admitted:
+            if seq.first_scheduled is None:
+                seq.first_scheduled = now
+            if seq.first_token is None:  # what the first token's prefill reused and computed
+                cached = seq.num_computed
+                seq.usage.loaded_tokens["GPU"] = cached
+                seq.usage.recomputed_tokens = seq.prompt_len - cached
+        self.stats.preemptions += len(plan.preempted)
+        return plan
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Forwards and sampling (no bookkeeping: safe without the caller's lock)."""
+        res = StepResult()
+        done: list[Sequence] = []
+        rows: list[torch.Tensor] = []
+        for seq, n in plan.prefills:
+            t = self.runner.prefill(seq, n)
+            res.prefill_times.append((n, seq.num_computed, t.seconds))
+            if seq.num_computed + n == seq.num_tokens:
+                done.append(seq)
+                rows.append(t.logits)
+        if plan.decodes:
+            t = self.runner.decode(plan.decodes)
+            res.decode_time = t.seconds
+            for row, seq in enumerate(plan.decodes):
+                if seq.num_computed + 1 == seq.num_tokens:
+                    done.append(seq)
+                    rows.append(t.logits[row])
+        if done:
+            logits = torch.stack(rows)
+            res.tokens = dict(zip(done, self.sampler.sample(done, logits), strict=True))
+            res.logits = dict(zip(done, logits, strict=True))
+        res.end = self._clock()
+        return res
+
+    def commit(self, plan: StepPlan, result: StepResult) -> list[SeqUpdate]:
+        updates: list[SeqUpdate] = []
+        for seq, n in plan.items():
+            seq.num_computed += n
+            self.stats.computed_tokens += n
+            if seq.aborted:
+                continue
+            self.blocks.commit(seq)
+            tok = result.tokens.get(seq)
+            if tok is not None:
+                updates.append(self._append(seq, tok, result.end))
+        for n, c, seconds in result.prefill_times:
+            self.prefill_fit.add(n, c, seconds)
+        if result.decode_time is not None:
+            self.decode_step.add(result.decode_time)
+        self.stats.steps += 1
+        self._reap()
+        return updates
+
+    def fail(self, plan: StepPlan, message: str) -> list[SeqUpdate]:
+        """A step raised: every sequence in it ends with an error (its blocks freed)."""
+        return self._fail([seq for seq, _ in plan.items()], message)
+
+    def fail_all(self, message: str) -> list[SeqUpdate]:
+        """The worker is going away: every accepted request ends with an error."""
+        return self._fail(list(self.seqs.values()), message)
+
+    def _fail(self, seqs: list[Sequence], message: str) -> list[SeqUpdate]:
+        out = []
+        for seq in seqs:
+            if seq.aborted:
+                continue
+            seq.finish_reason = "error"
+            self.abort(seq.request_id)
+            out.append(SeqUpdate(seq, [], "", True, message))
+        self._reap()
+        return out
+
+    def _append(self, seq: Sequence, tok: int, now: float) -> SeqUpdate:
+        seq.token_ids.append(tok)
+        if seq.first_token is None:
+            seq.first_token = now
+        seq.last_token = now
+        self.stats.generated_tokens += 1
+        p = seq.params
+        eos = tok in self.lm.eos_ids and not p.ignore_eos
+        text = "" if eos else seq.text.add(tok)
+        reason = None
+        if eos or seq.text.stopped:
+            reason = "stop"
+        elif seq.num_output >= p.max_tokens or seq.num_tokens >= self.max_context:
+            reason = "length"
+        if reason is not None:
+            text += seq.text.finish()
+            seq.finish_reason = reason
+            seq.status = SeqStatus.FINISHED
+            self._fill_usage(seq)
+        return SeqUpdate(seq, [tok], text, reason is not None)
+
+    def _fill_usage(self, seq: Sequence) -> None:
+        u = seq.usage
+        u.completion_tokens = seq.num_output
+        arrival = seq.arrival
+        sched = seq.first_scheduled if seq.first_scheduled is not None else arrival
+        first = seq.first_token if seq.first_token is not None else sched
+        last = seq.last_token if seq.last_token is not None else first
+        u.queue_ms = (sched - arrival) * 1e3
+        u.load_ms = 0.0  # every reused block is already on GPU (stage 2 loads from lower tiers)
+        u.prefill_ms = (first - sched) * 1e3
+        u.ttft_ms = (first - arrival) * 1e3
+        u.decode_ms = (last - first) * 1e3
+
+    def _reap(self) -> None:
+        """Release finished and aborted running sequences."""
+        sched = self.scheduler
+        gone = [s for s in sched.running if s.aborted or s.status is SeqStatus.FINISHED]
+        for seq in gone:
+            sched.running.remove(seq)
+            self.blocks.release(seq)
+            self._retire(seq)
+
+    def _retire(self, seq: Sequence) -> None:
+        self.seqs.pop(seq.request_id, None)
+        if seq.finish_reason == "error":
+            self.stats.failed += 1
+        elif seq.aborted:
+            self.stats.cancelled += 1
+        else:
+            self.stats.finished += 1
+        seq.status = SeqStatus.FINISHED
+
+    def calibrate(self) -> None:
+        """Seed the speed fits before any traffic (and warm the kernels): prefill chunks of a
+        few sizes, fresh and after as much context, and decode steps, run on free blocks
+        whose content nobody reads. Only on an idle engine with an untouched pool."""
+        budget = self.cfg.max_num_batched_tokens
+        sizes = sorted({max(2, min(budget, n)) for n in (self.bs, 128, 512, 2048)})
+        need = -(-(2 * sizes[-1] + 1) // self.bs)
+        if self.seqs or self.blocks.used() or need > self.blocks.num_blocks:
+            return
+        tokens = [i % self.lm.vocab_size for i in range(2 * sizes[-1] + 1)]
+        seq = self.new_sequence("calibration", tokens, SamplingParams(max_tokens=1))
+        seq.block_table = list(range(need))
+        self.runner.prefill(seq, sizes[0])  # warm-up, not measured
+        for n in sizes:
+            for c in (0, n):
+                seq.num_computed = c
+                self.prefill_fit.add(n, c, self.runner.prefill(seq, n).seconds)
+        seq.num_computed = 2 * sizes[-1]
+        for _ in range(3):
+            self.decode_step.add(self.runner.decode([seq]).seconds)
+
+    # ------------------------------------------------------------------ KV
+
+    def purge(self, cache_salt: str | None, everything: bool) -> int:
+        return self.blocks.purge(cache_salt, everything)
+
+    def take_events(self) -> list[KVEvent]:
+        return self.blocks.take_events()
+
+    # ------------------------------------------------------------------ reports
+
+    def estimate_queue_s(self) -> float:
+        """Wait before a request arriving now starts its prefill: the prefill of everything
+        queued or half-prefilled (each at its own context), plus one decode step per
+        budget-sized step while sequences decode alongside."""
+        pending = [(s.num_tokens - s.gpu_hint, s.gpu_hint) for s in self.scheduler.waiting]
+        pending += [(s.num_uncomputed, s.num_computed) for s in self.scheduler.running if s.num_uncomputed > 1]
+        tokens = sum(n for n, _ in pending)
+        if not tokens:
+            return 0.0
+        t = sum(self.prefill_fit.predict(n, c) or 0.0 for n, c in pending)
+        decoding = sum(1 for s in self.scheduler.running if s.num_uncomputed == 1)
+        if decoding and self.decode_step.value is not None:
+            t += math.ceil(tokens / self.cfg.max_num_batched_tokens) * self.decode_step.value
+        return t
+
+    def speeds(self) -> Speeds:
+        co = self.prefill_fit.coefficients()
+        tps, attn, overhead = co if co is not None else (None, None, None)
+        return Speeds(
+            prefill_tokens_per_s=tps,
+            prefill_attn_s_per_token2=attn,
+            prefill_overhead_s=overhead,
+            decode_step_s=self.decode_step.value,
+        )
+
+    def load_report(self) -> LoadReport:
+        sched = self.scheduler
+        b = self.blocks
+        return LoadReport(
+            worker_id=self.cfg.worker_id,
+            ts=time.time(),
+            waiting_requests=len(sched.waiting),
+            waiting_prefill_tokens=sum(s.num_tokens - s.gpu_hint for s in sched.waiting),
+            running_requests=len(sched.running),
+            running_prefill_tokens=sum(s.num_uncomputed for s in sched.running if s.num_uncomputed > 1),
+            est_queue_s=self.estimate_queue_s(),
+            blocks={"GPU": BlockCounts(b.used(), b.num_blocks - b.used(), b.num_blocks)},
+            speeds=self.speeds(),
+            tiers={},
+            prefetch_queue=0,
+            max_waiting=self.cfg.max_waiting,
+            block_size=self.bs,
+        )
+
+    def info(self) -> WorkerInfo:
+        ns = self.namespace
+        return WorkerInfo(
+            worker_id=self.cfg.worker_id,
+            kind="kvroute",
+            engine="torch",
+            model=self.lm.model_id,
+            served_model_names=list(self.lm.served_names),
+            namespace=NamespaceInfo(
+                ns.model, ns.revision, ns.tokenizer_revision, ns.kv_dtype, ns.parallel, ns.block_size
+            ),
+            namespace_digest=ns.digest.hex(),
+            block_size=self.bs,
+            block_bytes=self.pool.block_bytes,
+            max_context_tokens=self.max_context,
+            kv_capacity_tokens=self.blocks.num_blocks * self.bs,
+            capabilities=["purge"],
+        )
+
+
+def resolve_num_blocks(cfg: EngineConfig, lm: LoadedModel) -> int:
+    """Pool size from `num_blocks`, `kv_bytes`, or the device: most of the free CUDA memory, or
+    a fixed 512 MiB of host memory on CPU."""
+    block_bytes = lm.kv.token_bytes * cfg.block_size
+    if cfg.num_blocks is not None and cfg.kv_bytes is not None:
+        raise ValueError("give num_blocks or kv_bytes, not both")
+    if cfg.num_blocks is not None:
+        n = cfg.num_blocks
+    elif cfg.kv_bytes is not None:
+        n = cfg.kv_bytes // block_bytes
+    elif lm.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(lm.device)
+        n = int(free * CUDA_KV_FRACTION - CUDA_RESERVE_BYTES) // block_bytes
+    else:
+        n = CPU_DEFAULT_KV_BYTES // block_bytes
+    if n < 1:
+        raise ValueError(f"the KV pool holds no block ({block_bytes} bytes each): give more kv_bytes / num_blocks")
+    return int(n)

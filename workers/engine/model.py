@@ -1,0 +1,194 @@
+"""Loading a causal LM from a local folder: device, dtype, tokenizer, KV geometry.
+
+A user's model folder loads unchanged through `AutoModelForCausalLM.from_pretrained`,
+never from a hub (`local_files_only`). The KV geometry is not read from the config
+(field names differ between architectures) but probed: one 1-token forward shows the
+cache layers the model really builds, and anything but uniform full-attention layers
+is refused, since the paged pool holds one shape for every layer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
+
+from workers.sim.tokenizer import SimTokenizer, TokenizerError
+
+from .tiny import MODEL_ID, SERVED_ALIASES, ModelError, tiny_model_dir
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """What to load and where: `model` is a folder or "default" (the tiny Llama)."""
+
+    model: str = "default"
+    model_id: str | None = None  # the namespace's model id; default: "kvroute/tiny-llama" or the folder name
+    revision: str = ""
+    served_names: tuple[str, ...] = ()
+    device: str | None = None  # "cpu" | "cuda" | "cuda:N"; None: CUDA when available
+    dtype: str = "auto"
+    cache_dir: Path | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class KVShape:
+    """Per-token KV of the model: every layer holds keys and values of [kv_heads, head_dim]."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def token_bytes(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype.itemsize
+
+
+class EngineTokenizer:
+    """The worker tokenizer (the gateway's rules, workers/sim/tokenizer.py) bounded by the
+    model's embedding table, decoding output without special tokens."""
+
+    def __init__(self, folder: Path, vocab_size: int) -> None:
+        self._inner = SimTokenizer(folder)
+        self.hf = self._inner.hf
+        self.max_token_id = vocab_size - 1
+
+    def encode(self, text: str) -> list[int]:
+        return self._inner.encode(text)
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        return self._inner.apply_chat_template(messages)
+
+    def decode(self, ids: list[int]) -> str:
+        text: str = self.hf.decode(ids, skip_special_tokens=True)
+        return text
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: Any  # a transformers PreTrainedModel (causal LM)
+    tokenizer: EngineTokenizer
+    device: torch.device
+    dtype: torch.dtype
+    kv: KVShape
+    model_id: str
+    revision: str
+    served_names: list[str]
+    max_positions: int
+    vocab_size: int
+    eos_ids: frozenset[int]
+    folder: Path
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+
+def load_model(spec: ModelSpec) -> LoadedModel:
+    """Load the model of `spec` onto its device, with its tokenizer and probed KV shape."""
+    from transformers import AutoModelForCausalLM
+
+    default = spec.model == "default"
+    folder = tiny_model_dir(spec.cache_dir) if default else Path(spec.model).expanduser().resolve()
+    if not (folder / "config.json").is_file():
+        raise ModelError(f"{folder} is not a model folder (no config.json)")
+    device = select_device(spec.device)
+    dtype = select_dtype(spec.dtype, device, folder)
+    auto: Any = AutoModelForCausalLM
+    try:
+        model = auto.from_pretrained(folder, dtype=dtype, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ModelError(f"cannot load the model in {folder}: {e}") from None
+    model = model.to(device).eval()
+    vocab = int(model.get_input_embeddings().num_embeddings)
+    try:
+        tokenizer = EngineTokenizer(folder, vocab)
+    except TokenizerError as e:
+        raise ModelError(str(e)) from None
+    model_id = spec.model_id or (MODEL_ID if default else folder.name)
+    names = list(spec.served_names) or [model_id, *(SERVED_ALIASES if default else ())]
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        device=device,
+        dtype=dtype,
+        kv=probe_kv_shape(model, device),
+        model_id=model_id,
+        revision=spec.revision,
+        served_names=names,
+        max_positions=int(getattr(model.config, "max_position_embeddings", 0) or 1 << 20),
+        vocab_size=vocab,
+        eos_ids=_eos_ids(model, tokenizer),
+        folder=folder,
+    )
+
+
+def select_device(name: str | None) -> torch.device:
+    """CUDA when available (or asked for), else CPU; asking for CUDA without it is an error."""
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ModelError("--device cuda was asked for but CUDA is not available")
+    if dev.type not in ("cpu", "cuda"):
+        raise ModelError(f"unsupported device {name!r}: use cpu or cuda")
+    return dev
+
+
+def select_dtype(name: str, device: torch.device, folder: Path) -> torch.dtype:
+    """`auto`: float32 on CPU (exact and fast enough there); on CUDA the config's half
+    precision type if it names one, else bfloat16."""
+    if name != "auto":
+        if name not in DTYPES:
+            raise ModelError(f"unsupported dtype {name!r}: use auto, {', '.join(DTYPES)}")
+        return DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    import json
+
+    cfg = json.loads((folder / "config.json").read_text())
+    named = str(cfg.get("dtype") or cfg.get("torch_dtype") or "")
+    return DTYPES[named] if named in ("float16", "bfloat16") else torch.bfloat16
+
+
+def probe_kv_shape(model: Any, device: torch.device) -> KVShape:
+    """Run one token and read the cache the model builds; refuse non-uniform or non-full attention."""
+    with torch.inference_mode():
+        out = model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), use_cache=True)
+    cache = out.cache if hasattr(out, "cache") else out.past_key_values
+    if not isinstance(cache, DynamicCache) or not cache.layers:
+        raise ModelError(f"{type(model).__name__} does not build a DynamicCache: not supported by this engine")
+    shapes = set()
+    for layer in cache.layers:
+        if type(layer) is not DynamicLayer or layer.keys is None or layer.values is None:
+            raise ModelError(
+                f"{type(model).__name__} uses {type(layer).__name__} cache layers (sliding window, linear "
+                "attention, ...): only full-attention models are supported by this engine yet"
+            )
+        if layer.keys.shape != layer.values.shape:
+            raise ModelError("keys and values of different shapes (MLA-style caches) are not supported yet")
+        shapes.add((tuple(layer.keys.shape), layer.keys.dtype))
+    if len(shapes) != 1:
+        raise ModelError("cache layers of different shapes are not supported by this engine yet")
+    (shape, dtype) = shapes.pop()
+    return KVShape(layers=len(cache.layers), kv_heads=shape[1], head_dim=shape[3], dtype=dtype)
+
+
+def _eos_ids(model: Any, tokenizer: EngineTokenizer) -> frozenset[int]:
+    """End-of-sequence ids from the generation config, the model config and the tokenizer."""
+    out: set[int] = set()
+    for src in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(src, "eos_token_id", None)
+        if isinstance(eos, int):
+            out.add(eos)
+        elif isinstance(eos, (list, tuple)):
+            out.update(int(x) for x in eos)
+    tok_eos = getattr(tokenizer.hf, "eos_token_id", None)
+    if isinstance(tok_eos, int):
+        out.add(tok_eos)
+    return frozenset(out)
