@@ -190,6 +190,8 @@ class EventApplier:
             # The same worker stores blocks it already holds (a copy to another tier):
             # their content was verified when first stored, no keying needed.
             added = self._blocks.set_bits(ds, None, bit, distinct=False)
+            if k > 1 and ti != REMOTE:
+                w.engine_hashes.hold(hashes, ds, k, bit)
         else:
             try:
                 extras = _extras(ev, n, k)
@@ -214,6 +216,8 @@ class EventApplier:
             added = self._blocks.set_bits(ds, keys, bit)
             try:
                 w.engine_hashes.record(hashes, ds, k)
+                if k > 1 and ti != REMOTE:
+                    w.engine_hashes.hold(hashes, ds, k, bit)
             except TypeError:  # unhashable engine hashes
                 st.bad_events += 1
         self._slots.count_added(w, ti, added)

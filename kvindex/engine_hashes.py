@@ -4,6 +4,13 @@ Engines such as vLLM name blocks by their own seeded hashes, while the index key
 blocks by our chained keys computed from the tokens. The map lets a `BlockRemoved`
 and a child's `parent_block_hash`, which carry only engine hashes, find our digests.
 It stays empty for workers that publish our digests (our own engines).
+
+When an engine block spans several index blocks, two engine blocks can share their
+leading index blocks (same parent, same first tokens, different later ones), so each
+index block a spanning engine block holds is reference-counted per tier: removing one
+engine block clears an index block only when no other engine block still holds it.
+(REMOTE is a group's tier, written and removed by any member, so it is not counted
+per worker: a REMOTE removal clears what it names.)
 """
 from __future__ import annotations
 
@@ -20,10 +27,53 @@ from .stats import ApplyStats
 class EngineHashes(dict[BlockHash, Any]):
     """engine hash -> our digest, or digests (a tuple) when the engine block spans several.
 
-    A dict, so that the hot paths' emptiness tests and lookups stay C calls.
+    A dict, so that the hot paths' emptiness tests and lookups stay C calls. `tiers`
+    and `refs` exist for spanning blocks only: the tier bits each engine block holds,
+    and how many engine blocks hold each (digest, tier bit).
     """
 
-    __slots__ = ()
+    __slots__ = ("tiers", "refs")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tiers: dict[BlockHash, int] = {}
+        self.refs: dict[tuple[int, int], int] = {}
+
+    def clear(self) -> None:
+        super().clear()
+        self.tiers.clear()
+        self.refs.clear()
+
+    def hold(self, hashes: list[Any], ds: list[int], k: int, bit: int) -> None:
+        """Spanning engine blocks `hashes` (digests `ds`, `k` each) now hold tier `bit`."""
+        tiers, refs = self.tiers, self.refs
+        for i, eh in enumerate(hashes):
+            have = tiers.get(eh, 0)
+            if have & bit:
+                continue  # a repeated store of the same block in the same tier
+            tiers[eh] = have | bit
+            for d in ds[i * k : (i + 1) * k]:
+                refs[(d, bit)] = refs.get((d, bit), 0) + 1
+
+    def _release(self, eh: BlockHash, ds: tuple[int, ...], bit: int) -> list[int]:
+        """The digests of spanning block `eh` no other engine block holds in tier `bit`."""
+        have = self.tiers.get(eh, 0)
+        if not have & bit:
+            return []
+        if have == bit:
+            del self.tiers[eh]
+        else:
+            self.tiers[eh] = have & ~bit
+        free = []
+        refs = self.refs
+        for d in ds:
+            n = refs.get((d, bit), 0) - 1
+            if n > 0:
+                refs[(d, bit)] = n
+            else:
+                refs.pop((d, bit), None)
+                free.append(d)
+        return free
 
     def record(self, hashes: list[Any], ds: list[int], k: int) -> None:
         """Map each engine hash to its `k` digests in `ds`; TypeError if one is unhashable."""
@@ -81,7 +131,8 @@ class EngineHashes(dict[BlockHash, Any]):
                 else:
                     st.unknown_removed += 1
                     continue
-            ds = found if type(found) is tuple else (found,)
+            ds = self._release(eh, found, bit) if type(found) is tuple and held else found \
+                if type(found) is tuple else (found,)
             gone += clear_bits(ds, bit)
             if held and found is not eh and not any(shards[d & SHARD_MASK].get(d, 0) & held for d in ds):
                 del self[eh]

@@ -377,6 +377,12 @@ class PrefixIndex:
         """(block, worker, tier) entries currently held by live workers and groups."""
         return self._slots.entries()
 
+    def local_blocks(self, worker_id: str, tier: Tier = Tier.GPU) -> int:
+        """Index blocks the worker holds in a local tier (a cheap count, kept as events apply)."""
+        if tier is Tier.REMOTE or tier is Tier.PEER:
+            raise ValueError("local tiers only: GPU, CPU, DISK")
+        return self._get(worker_id).counts[int(tier)]
+
     def worker_stats(self) -> list[WorkerIndexStats]:
         return [self._worker_stats(w) for w in self._slots.workers.values()]
 

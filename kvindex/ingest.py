@@ -4,7 +4,9 @@ A `WorkerSubscriber` follows one worker's vLLM-style event stream and replay soc
 an `IngestManager` runs all of them on the asyncio loop that owns the index (which is
 not thread-safe). A sequence gap is replayed; when the replay cannot cover it, the
 worker's entries are dropped and rebuilt from what follows, so the index may miss
-blocks but never invents them. docs/ingest.md: usage, health fields, sequence rules.
+blocks but never invents them. A lost *last* frame shows no gap (nothing follows it),
+so an idle stream, or one the owner suspects, asks the replay socket for anything
+after the last applied sequence. docs/ingest.md: usage, health fields, sequence rules.
 """
 from __future__ import annotations
 
@@ -59,6 +61,8 @@ class WorkerHealth:
     trusted_digests: bool = False
     unregistered: int = 0
     internal_errors: int = 0
+    tail_probes: int = 0  # replays asked for after the last applied sequence (idle or suspected)
+    tail_recovered: int = 0  # batches those probes found that the live stream had lost
     applied: ApplyStats = field(default_factory=ApplyStats)  # what the index did with the batches
 
     def export(self) -> dict[str, Any]:
@@ -100,10 +104,13 @@ class WorkerSubscriber:
         max_replay_batches: int = 100_000,
         rcv_hwm: int = 100_000,
         max_message_bytes: int = 64 << 20,
+        tail_probe_s: float | None = 5.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if replay_timeout_s <= 0:
             raise ValueError("replay_timeout_s must be positive")
+        if tail_probe_s is not None and tail_probe_s <= 0:
+            raise ValueError("tail_probe_s must be positive (or None: never probe)")
         self.worker_id = worker_id
         self.index = index
         self._ctx = ctx
@@ -119,6 +126,9 @@ class WorkerSubscriber:
         self._last_applied_at: float | None = None
         self._catching_up = False
         self._resync_requested = False
+        self._tail_probe_s = tail_probe_s
+        self._probe_requested = False
+        self._last_frame_at = clock()
         self._task: asyncio.Task[None] | None = None
         self._closed = False
         sock = ctx.socket(zmq.SUB)
@@ -171,6 +181,11 @@ class WorkerSubscriber:
         else:
             self._drop("requested")
 
+    def request_probe(self) -> None:
+        """Ask the replay socket soon for anything after the last applied sequence (the
+        owner suspects a lost frame, e.g. the worker's reported cache disagrees)."""
+        self._probe_requested = True
+
     def snapshot(self) -> dict[str, Any]:
         h = self.health
         h.trusted_digests = self.index.trusts_digests(self.worker_id)
@@ -183,6 +198,9 @@ class WorkerSubscriber:
         sub = self._sub
         while not self._closed:
             try:
+                if not await sub.poll(250):  # idle: maybe probe the tail, then wait again
+                    await self._maybe_probe()
+                    continue
                 frames = await sub.recv_multipart(copy=False)
             except asyncio.CancelledError:
                 raise
@@ -205,6 +223,7 @@ class WorkerSubscriber:
     async def on_frames(self, frames: Sequence[Buffer]) -> None:
         """Handle one live message (exposed for tests: frames as received)."""
         h = self.health
+        self._last_frame_at = self._clock()
         if len(frames) != 3:
             h.bad_frames += 1
             return
@@ -241,6 +260,45 @@ class WorkerSubscriber:
         self._apply(seq, payload)
         self._dup_floor = None  # live has passed everything a replay returned
         h.state = "live"
+
+    async def _maybe_probe(self) -> None:
+        due = self._tail_probe_s is not None and self._clock() - self._last_frame_at >= self._tail_probe_s
+        if self._probe_requested or due:
+            self._probe_requested = False
+            self._last_frame_at = self._clock()  # next idle probe one interval from now
+            await self.probe_tail()
+
+    async def probe_tail(self) -> int:
+        """Replay from the next expected sequence: batches there are ones the live stream
+        lost after its last frame (no later frame revealed the gap). Applies them and
+        returns how many; 0 when nothing was missing, or no replay is possible."""
+        start = self._expected
+        if self._replay_endpoint is None or start is None or self._catching_up:
+            return 0
+        h = self.health
+        h.tail_probes += 1
+        self._catching_up = True
+        try:
+            replay = await self._fetch_replay(start)
+            if not replay.ok:
+                h.replay_failures += 1
+                return 0
+            batches = sorted((b for b in replay.batches if b[0] >= start), key=lambda b: b[0])
+            for seq, payload in batches:
+                if self._expected is not None and seq > self._expected:
+                    self._drop("hole in the replay")
+                self._apply(seq, payload)
+            if batches:
+                h.tail_recovered += len(batches)
+                self._dup_floor = start  # the lost frames, should they arrive late, are duplicates
+                log.info("kv-ingest %s: %d batch(es) after seq %d were lost live, recovered by replay",
+                         self.worker_id, len(batches), start - 1)
+            return len(batches)
+        finally:
+            self._catching_up = False
+            if self._resync_requested:
+                self._resync_requested = False
+                self._drop("requested")
 
     # ------------------------------------------------------------------ internals
 
@@ -371,7 +429,7 @@ class IngestManager:
     """All subscribers of one gateway, on one asyncio loop.
 
     Constructor: `IngestManager(index, *, replay_timeout_s=1.0, max_replay_batches=100_000,
-    ctx=None)`; pass a `zmq.asyncio.Context` to share one, otherwise the manager owns
+    tail_probe_s=5.0, ctx=None)`; pass a `zmq.asyncio.Context` to share one, otherwise the manager owns
     (and on `close()` terminates) its own.
     """
 
@@ -381,9 +439,11 @@ class IngestManager:
         *,
         replay_timeout_s: float = 1.0,
         max_replay_batches: int = 100_000,
+        tail_probe_s: float | None = 5.0,
         ctx: zmq.asyncio.Context | None = None,
     ) -> None:
         self.index = index
+        self._tail_probe_s = tail_probe_s
         self._own_ctx = ctx is None
         self._ctx = ctx if ctx is not None else zmq.asyncio.Context()
         self._replay_timeout_s = replay_timeout_s
@@ -433,6 +493,7 @@ class IngestManager:
                 bind=bind,
                 replay_timeout_s=self._replay_timeout_s,
                 max_replay_batches=self._max_replay,
+                tail_probe_s=self._tail_probe_s,
             )
         except Exception:
             if registered:
@@ -456,6 +517,12 @@ class IngestManager:
         if sub is None:
             raise KeyError(worker_id)
         sub.request_resync()
+
+    def probe(self, worker_id: str) -> None:
+        """Ask a worker's replay socket soon for batches the live stream may have lost."""
+        sub = self._subs.get(worker_id)
+        if sub is not None:
+            sub.request_probe()
 
     def subscriber(self, worker_id: str) -> WorkerSubscriber | None:
         return self._subs.get(worker_id)

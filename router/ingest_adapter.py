@@ -99,6 +99,12 @@ class PoolIngest:
             self.errors += 1
             log.error("worker %s: cannot subscribe to KV events at %s: %s", w.id, w.events, e)
 
+    def probe(self, w: Worker) -> None:
+        """Ask the worker's replay socket soon for batches the live stream may have lost."""
+        m = self._managers.get(id(w.model.index))
+        if m is not None:
+            m.probe(w.id)
+
     def remove_worker(self, w: Worker) -> None:
         idx = w.model.index
         if idx.has_worker(w.id):

@@ -43,6 +43,8 @@ class IngestLike(Protocol):
 
     def remove_worker(self, worker: Worker) -> None: ...
 
+    def probe(self, worker: Worker) -> None: ...
+
 
 class WorkerPool:
     def __init__(
@@ -324,7 +326,22 @@ class WorkerPool:
         if rep_ is None:
             return False
         w.fleet.on_report(rep_, time.monotonic(), sent)
+        self._check_index(w)
         return True
+
+    def _check_index(self, w: Worker) -> None:
+        """An index holding more GPU blocks than the worker can hold has missed removals
+        (a lost last event frame shows no gap): ask for the tail of its stream."""
+        cap = w.view.gpu_capacity_blocks
+        if not cap or not w.in_index or w.events is None or self.ingest is None:
+            return
+        per_engine = max(1, w.block_size // w.model.block_size)
+        try:
+            held = w.model.index.local_blocks(w.id)
+        except IndexError_:
+            return
+        if held > cap * per_engine:
+            self.ingest.probe(w)
 
     # ------------------------------------------------------------------ accounting
 

@@ -43,6 +43,7 @@ class FakeWorker:
     health_status: int = 200
     health_state: str = "ok"  # what /health says: "ok" or "draining"
     cached_tokens: int = 0  # what usage reports as cached
+    gpu_blocks: int | None = None  # vLLM's num_gpu_blocks in /metrics (None: not exported)
     prompt_skew: int = 0  # counts this many more prompt tokens than the bundled tokenizer (a mis-keyed worker)
     embeddings: list[dict[str, Any]] = field(default_factory=list)
     port: int = 0
@@ -111,6 +112,8 @@ class FakeWorker:
             text = (f'vllm:num_requests_waiting{{model_name="m"}} {lr["waiting_requests"]}\n'
                     f'vllm:num_requests_running{{model_name="m"}} {lr["running_requests"]}\n'
                     'vllm:kv_cache_usage_perc{model_name="m"} 0.5\n')
+            if self.gpu_blocks is not None:
+                text += f'vllm:cache_config_info{{num_gpu_blocks="{self.gpu_blocks}"}} 1.0\n'
             await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
             await send({"type": "http.response.body", "body": text.encode()})
         elif path == "/kv/prefetch" and method == "POST":

@@ -297,3 +297,50 @@ async def test_a_worker_cost_override_beats_its_reported_speeds() -> None:
         assert c.prefill_tokens_per_s == 1234.0 and c.decode_step_s == 0.006  # pinned vs reported
         cpu = c.links[Tier.CPU]
         assert (cpu.read_Bps, cpu.latency_s) == (1e6, 0.5)
+
+
+async def test_an_index_holding_more_than_the_worker_can_asks_for_the_stream_tail() -> None:
+    """A vLLM worker reports 2 KV blocks while the index credits it with 20 index blocks:
+    removals were lost (a last frame shows no gap), so the gateway asks its replay
+    socket for what followed the last sequence it applied."""
+    import zmq
+    import zmq.asyncio
+
+    from kvindex.events import END_SEQ, EventEncoder, seq_from_bytes, seq_to_bytes
+    from loadtest.ports import free_port
+    from test_gateway_fakes import serve_fake
+
+    pub_port, replay_port = free_port(), free_port()
+    v = FakeWorker("v", DIGEST, gpu_blocks=2)
+    ctx = zmq.asyncio.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind(f"tcp://127.0.0.1:{replay_port}")
+    pub = ctx.socket(zmq.PUB)
+    try:
+        async with serve_fake(v):
+            cfg = _cfg()
+            cfg.workers = [WorkerConfig(id="v", url=v.url, kind="vllm", model=MODEL, block_size=32, events={
+                "endpoint": f"tcp://127.0.0.1:{pub_port}", "bind": True,
+                "replay_endpoint": f"tcp://127.0.0.1:{replay_port}"})]
+            async with fleet([], cfg) as (gw, _):
+                await wait_until(lambda: len(gw.pool.routable(MODEL)) == 1)
+                pub.connect(f"tcp://127.0.0.1:{pub_port}")
+                ev = BlockStored(list(range(9001, 9011)), None, PROMPT[:320], 32, medium="GPU")
+                rt = gw.models.get(MODEL)
+                for seq in range(500):  # until the subscription is up
+                    await pub.send_multipart([b"kv", seq_to_bytes(seq), EventEncoder().encode(time.time(), [ev])])
+                    await asyncio.sleep(0.01)
+                    if rt.index.local_blocks("v") == 20:
+                        break
+                asked: list[int] = []
+                for _ in range(10):  # the join replay (from 0), then the probe
+                    frames = await asyncio.wait_for(router.recv_multipart(), 5.0)
+                    asked.append(seq_from_bytes(frames[-1]))
+                    await router.send_multipart([frames[0], b"", seq_to_bytes(END_SEQ), b""])
+                    if asked[-1] == seq + 1:
+                        break
+                assert asked[-1] == seq + 1, asked  # from the next expected sequence
+    finally:
+        pub.close(0)
+        router.close(0)
+        ctx.term()

@@ -276,6 +276,7 @@ class NaiveWorker:
     group: str
     local: dict[int, set[int]] = field(default_factory=lambda: {0: set(), 1: set(), 2: set()})
     emap: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    held: dict[int, set[int]] = field(default_factory=lambda: {0: set(), 1: set(), 2: set()})  # engine blocks
     draining: bool = False
 
 
@@ -316,6 +317,8 @@ class Naive:
                 for j, b in zip(range(lo, hi), blocks, strict=True):
                     w.emap[engine_hash(p, j, k)] = b
         target.update(flat)
+        if w.kind == "vllm" and t != 3:
+            w.held[t].update(engine_hash(p, j, k) for j in range(lo, hi))
 
     def remove(self, wid: str, p: int, lo: int, hi: int, medium: str) -> None:
         w = self.workers[wid]
@@ -332,7 +335,13 @@ class Naive:
                 if eh not in target:
                     continue
                 ds = (eh,)
-            target.difference_update(ds)
+            if t != 3 and w.kind == "vllm":
+                # an index block another engine block still holds in this tier stays
+                w.held[t].discard(eh)
+                still = {d for e in w.held[t] for d in w.emap[e]}
+                target.difference_update(set(ds) - still)
+            else:
+                target.difference_update(ds)
             if t != 3 and w.kind == "vllm" and not any(d in s for d in ds for s in w.local.values()):
                 del w.emap[eh]
 
@@ -423,6 +432,7 @@ def test_match_equals_brute_force_reference(trusted, data):
             apply(wid, AllBlocksCleared())
             ref.workers[wid].local = {0: set(), 1: set(), 2: set()}
             ref.workers[wid].emap = {}
+            ref.workers[wid].held = {0: set(), 1: set(), 2: set()}
         elif name == "drain":
             flag = data.draw(st.booleans())
             idx.set_draining(wid, flag)
@@ -452,3 +462,26 @@ def test_match_equals_brute_force_reference(trusted, data):
         assert s.digest_mismatches == 0 and s.trusted_digests == (trusted and w.kind == "ours")
         assert [s.blocks[t] for t in ("GPU", "CPU", "DISK")] == [len(w.local[t]) for t in (0, 1, 2)]
         assert s.blocks["REMOTE"] == len(ref.remote.get(w.group, set()))
+
+
+def test_engine_blocks_sharing_leading_index_blocks_are_counted() -> None:
+    """A vLLM worker keys 2-index-block engine blocks. Two engine blocks with the same
+    parent and the same first half share their first index block: removing one must
+    not clear what the other still holds (recorded-style events, vLLM's own hashes)."""
+    idx = PrefixIndex(BS)
+    idx.add_worker("v", NS.digest, 2 * BS)
+    head, shared, tail_a, tail_b = toks(1, 2), toks(2, 1), toks(3, 1), toks(4, 1)
+    prompt_a, prompt_b = head + shared + tail_a, head + shared + tail_b
+    ds_a, ds_b = digests64(HASHER.keys(prompt_a)), digests64(HASHER.keys(prompt_b))
+    assert ds_a[2] == ds_b[2] and ds_a[3] != ds_b[3]  # the shared index block
+    idx.apply("v", [BlockStored([101, 102], None, prompt_a, 2 * BS, medium="GPU"),
+                    BlockStored([103], 101, shared + tail_b, 2 * BS, medium="GPU")])
+    assert idx.match(ds_a)["v"].blocks == 4 and idx.match(ds_b)["v"].blocks == 4
+    idx.apply("v", [BlockRemoved([102], "GPU")])
+    assert idx.match(ds_a)["v"].blocks == 3  # its own second half is gone ...
+    assert idx.match(ds_b)["v"].blocks == 4  # ... the block the other engine block shares is not
+    idx.apply("v", [BlockRemoved([102], "GPU"), BlockRemoved([103], "GPU")])  # a repeat changes nothing more
+    assert idx.match(ds_b)["v"].blocks == 2 and idx.match(ds_a)["v"].blocks == 2
+    idx.apply("v", [BlockStored([103], 101, shared + tail_b, 2 * BS, medium="CPU")])  # a copy in another tier
+    idx.apply("v", [BlockRemoved([103], "CPU")])
+    assert idx.match(ds_b)["v"].blocks == 2

@@ -159,7 +159,8 @@ def index() -> PrefixIndex:
 
 
 async def start(ctx, index, pub: VllmStylePublisher | None, **kw) -> tuple[IngestManager, WorkerSubscriber]:
-    mgr = IngestManager(index, replay_timeout_s=kw.pop("replay_timeout_s", 1.0), ctx=ctx)
+    mgr = IngestManager(index, replay_timeout_s=kw.pop("replay_timeout_s", 1.0),
+                        tail_probe_s=kw.pop("tail_probe_s", 5.0), ctx=ctx)
     endpoint = kw.pop("endpoint", pub.endpoint if pub else None)
     replay = kw.pop("replay_endpoint", pub.replay_endpoint if pub else None)
     sub = mgr.add_worker("w", endpoint, replay_endpoint=replay, ns_digest=NS.digest, block_size=BS, **kw)
@@ -581,3 +582,41 @@ async def test_manager_passes_trusted_only_when_it_registers(ctx, index):
         assert mgr.health()["t"]["trusted_digests"] and not mgr.health()["u"]["trusted_digests"]
     finally:
         await mgr.close()
+
+
+async def test_a_lost_last_frame_is_found_by_the_idle_probe(ctx, index):
+    """Nothing follows the lost frame, so no gap ever shows: the idle stream asks the
+    replay socket for what came after its last sequence and applies it."""
+    pub = VllmStylePublisher(ctx)
+    mgr, sub = await start(ctx, index, pub, tail_probe_s=0.3)
+    try:
+        a = Chain(140, 4)
+        await pub.publish([a.stored(0, 4)])  # seq 0
+        await wait_until(lambda: matched(index, a) == 4)
+        await pub.publish([a.removed(2, 4)], deliver=False)  # seq 1, the last one: lost live
+        await wait_until(lambda: matched(index, a) == 2, timeout=5.0)  # the worker evicted them
+        h = mgr.health()["w"]
+        assert h["tail_recovered"] == 1 and h["tail_probes"] >= 1 and h["resyncs"] == 0
+        assert pub.replay_requests[-1] == 1  # from the next expected sequence
+        await pub.publish([a.stored(2, 3)])  # seq 2: live goes on from there
+        await wait_until(lambda: matched(index, a) == 3)
+        assert mgr.health()["w"]["gaps"] == 0
+    finally:
+        await mgr.close()
+        await pub.close()
+
+
+async def test_the_owner_can_ask_for_a_probe(ctx, index):
+    pub = VllmStylePublisher(ctx)
+    mgr, sub = await start(ctx, index, pub, tail_probe_s=None)  # no idle probes
+    try:
+        a = Chain(150, 3)
+        await pub.publish([a.stored(0, 3)])
+        await wait_until(lambda: matched(index, a) == 3)
+        await pub.publish([a.removed(0, 3)], deliver=False)
+        mgr.probe("w")  # e.g. the worker's reported cache disagrees with the index
+        await wait_until(lambda: matched(index, a) == 0, timeout=5.0)
+        assert mgr.health()["w"]["tail_recovered"] == 1
+    finally:
+        await mgr.close()
+        await pub.close()
