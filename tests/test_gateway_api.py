@@ -238,3 +238,36 @@ async def test_embeddings_are_forwarded() -> None:
     async with vllm_fleet([v]) as (_, url):
         r = await client(url).embeddings.create(model=MODEL, input="hello")
         assert r.data[0].embedding == [0.5, 0.25] and v.embeddings[0]["input"] == "hello"
+
+
+# Values for the fields the gateway itself reads (typed); every other field gets a value
+# of its own that only a transparent proxy delivers unchanged.
+_TYPED = {"model": MODEL, "messages": CHAT, "prompt": "Tell me about caches.", "max_tokens": 3,
+          "max_completion_tokens": 3, "stream": True, "stream_options": {"include_usage": True}, "n": 2,
+          "stop": ["\n\n"], "temperature": 0.5, "top_p": 0.9, "seed": 11, "user": "u-1", "presence_penalty": 0.1,
+          "frequency_penalty": 0.2, "logprobs": True, "top_logprobs": 2, "cache_salt": "client-salt",
+          "ignore_eos": True, "echo": True, "suffix": "s", "tools": [{"type": "function", "function": {"name": "f"}}],
+          "tool_choice": "auto"}
+
+
+@pytest.mark.parametrize("request_class", ["ChatCompletionRequest", "CompletionRequest"])
+async def test_no_field_of_vllms_request_is_dropped(request_class: str) -> None:
+    """Every field of vLLM's own request models (tests/data/vllm, from vLLM 0.32.0) reaches
+    the vLLM worker unchanged, all of them in one request."""
+    from pathlib import Path
+
+    spec = msgspec.json.decode((Path(__file__).parent / "data/vllm/request-fields-0.32.0.json").read_bytes())
+    names = [f["name"] for f in spec[request_class]["fields"]]
+    assert len(names) > 50
+    chat = request_class == "ChatCompletionRequest"
+    if not chat:
+        names.remove("max_completion_tokens") if "max_completion_tokens" in names else None
+    body = {n: _TYPED.get(n, {"probe": n, "list": [n, 1, 2.5, None, True]}) for n in names}
+    if not chat:
+        body["n"] = 1  # a stream of n completions interleaves; one is enough to relay here
+    v = FakeWorker("v", DIGEST)
+    async with vllm_fleet([v]) as (_, url):
+        st, got, _ = await _post(url, "/v1/chat/completions" if chat else "/v1/completions", body)
+        assert st == 200, got
+    received = v.completions[-1]
+    assert received == body  # model: the worker serves MODEL; cache_salt: no tenant salt to fold in

@@ -485,3 +485,29 @@ def test_engine_blocks_sharing_leading_index_blocks_are_counted() -> None:
     idx.apply("v", [BlockStored([103], 101, shared + tail_b, 2 * BS, medium="CPU")])  # a copy in another tier
     idx.apply("v", [BlockRemoved([103], "CPU")])
     assert idx.match(ds_b)["v"].blocks == 2
+
+
+def test_a_recorded_vllm_event_sequence_applies_cleanly() -> None:
+    """vLLM 0.32.0's own frames (tests/data/vllm: 32-token engine blocks, a 17-block pool,
+    evictions, a salted chain, a chat, a cache reset) over a 16-token index: every event
+    applies, nothing is an orphan or an unknown removal, the worker never holds more
+    than its pool, and after the reset exactly the last request's blocks remain."""
+    from pathlib import Path
+
+    import msgspec
+
+    rec = msgspec.msgpack.decode((Path(__file__).parent / "data/vllm/events-0.32.0.msgpack").read_bytes())
+    ns = Namespace("tiny", block_size=16)
+    idx = PrefixIndex(16)
+    idx.add_worker("v", ns.digest, 32)
+    dec = EventDecoder()
+    total = ApplyStats()
+    for step in rec["steps"]:
+        for _topic, _seq, payload in step["frames"]:
+            batch = dec.decode(payload)
+            assert not batch.errors
+            total.add(idx.apply("v", batch))
+        assert idx.local_blocks("v") <= 2 * 16, step["step"]  # 16 usable engine blocks, 2 index blocks each
+    assert (total.bad_events, total.orphans, total.unknown_removed) == (0, 0, 0)
+    assert total.cleared == 1 and total.removed == 5 + 6 + 6 + 3 + 1
+    assert idx.local_blocks("v") == 2 * 6  # "A after the reset": 6 engine blocks
