@@ -198,6 +198,6 @@ async def embeddings(gw: Gateway, body: bytes) -> tuple[int, bytes, str]:
                 if r.status < 500:
                     return r.status, data, r.headers.get("content-type", "application/json")
                 last = RuntimeError(f"HTTP {r.status}")
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:
             last = e
     raise unavailable(f"No worker could answer the embeddings request ({type(last).__name__}).", 1.0)

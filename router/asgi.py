@@ -8,17 +8,15 @@ cancels the request on the worker, and cancelling its prefetch).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
+from starlette.types import Receive, Scope, Send
 
 from .attempt import JSON_HEADERS
 from .errors import ApiError, bad_request, too_large
 
-Scope = dict[str, Any]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
+__all__ = ["AsgiOut", "ClientGone", "Receive", "Scope", "Send", "headers_of", "read_body", "watch_disconnect"]
 _enc = msgspec.json.Encoder()
 
 

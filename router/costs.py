@@ -15,7 +15,9 @@ DEFAULT_PREFILL_TPS = 10_000.0
 DEFAULT_BLOCK_BYTES_PER_TOKEN = 131_072  # Llama-3-8B in bf16, when nothing better is known
 
 
-def cost_params(model: ModelRuntime, over: CostConfig | None, worker_block: tuple[int, int] | None = None) -> CostParams:
+def cost_params(
+    model: ModelRuntime, over: CostConfig | None, worker_block: tuple[int, int] | None = None
+) -> CostParams:
     """The model's cost defaults with the worker's overrides.
 
     `block_size` is the model's index block size (matches are counted in index blocks);

@@ -83,4 +83,5 @@ def upstream_failed(message: str) -> ApiError:
 
 
 def internal(request_id: str) -> ApiError:
-    return ApiError(500, f"Internal error (request id {request_id}); it has been logged.", "internal_error", None, "internal_error")
+    return ApiError(500, f"Internal error (request id {request_id}); it has been logged.", "internal_error", None,
+                    "internal_error")

@@ -23,11 +23,15 @@ import aiohttp
 from prometheus_client.core import GaugeMetricFamily
 
 from . import admin
+from .attempt import Attempt, Out
 from .config import Config
 from .errors import rate_limited, unavailable, upstream_failed
+from .fidelity import KeyFidelity
 from .ingest_adapter import PoolIngest
 from .metrics import GatewayMetrics
 from .model import ModelRuntime, ModelTable
+from .observe import Observer
+from .passthrough import PassThrough
 from .planner.explain import explain as explain_decision
 from .planner.fleet import whole_engine_blocks
 from .planner.registry import make_policy, policy_params
@@ -37,10 +41,6 @@ from .prefetch import Prefetch, Prefetcher, prefetch_rule
 from .prepare import Prepared, Preparer
 from .proxy import UpstreamError
 from .recorder import TraceRecorder
-from .attempt import Attempt, Out
-from .fidelity import KeyFidelity
-from .observe import Observer
-from .passthrough import PassThrough
 from .relay import Relay
 from .tenancy import Tenancy, Tenant
 from .tokenize import Tokenization, Tokenizer

@@ -36,8 +36,10 @@ _GAUGES = (
     ("bad_events", "kvroute_ingest_bad_events", "Events the index rejected"),
     ("orphans", "kvroute_ingest_orphans", "Blocks stored under an unknown parent"),
     ("unknown_removed", "kvroute_ingest_unknown_removed", "Removals of unknown blocks"),
-    ("digests_verified", "kvroute_ingest_digests_verified", "Sampled chain roots recomputed to check a trusted worker's digests"),
-    ("digest_mismatches", "kvroute_ingest_digest_mismatches", "Sampled digests that differed from our recomputed keys (namespace drift)"),
+    ("digests_verified", "kvroute_ingest_digests_verified",
+     "Sampled chain roots recomputed to check a trusted worker's digests"),
+    ("digest_mismatches", "kvroute_ingest_digest_mismatches",
+     "Sampled digests that differed from our recomputed keys (namespace drift)"),
 )
 
 

@@ -64,7 +64,8 @@ class KeyPlanner:
         key = (tenant_salt, cache_salt, shared_blocks)
         ns = self._scoped.get(key)
         if ns is None:
-            ns = self.namespace.scoped(tenant_salt=tenant_salt, cache_salt=cache_salt, shared_prefix_blocks=shared_blocks)
+            ns = self.namespace.scoped(tenant_salt=tenant_salt, cache_salt=cache_salt,
+                                       shared_prefix_blocks=shared_blocks)
             self._scoped[key] = ns
             if len(self._scoped) > SCOPED_CACHE_SIZE:
                 self._scoped.popitem(last=False)

@@ -53,13 +53,15 @@ class GatewayMetrics:
                                           "Prefetches cancelled (request cancelled or rerouted)")
         self.prefetch_requested_tokens = counter("kvroute_prefetch_requested_tokens",
                                                  "Tokens asked to be raised toward GPU")
-        self.prefetch_used_tokens = counter("kvroute_prefetch_used_tokens", "Prefetched tokens the worker reported using")
+        self.prefetch_used_tokens = counter("kvroute_prefetch_used_tokens",
+                                            "Prefetched tokens the worker reported using")
         self.prefetch_wasted_tokens = counter("kvroute_prefetch_wasted_tokens", "Requested minus used prefetch tokens")
         self.prefetch_wasted_bytes = counter("kvroute_prefetch_wasted_bytes",
                                              "Wasted prefetch tokens times KV bytes per token")
         self.retries = counter("kvroute_retries", "Requests retried on the next-best worker", "reason")
         self.shed = counter("kvroute_shed", "Requests shed with 429/503", "reason")
-        self.upstream_errors = counter("kvroute_upstream_errors", "Worker failures seen by the proxy", "worker", "phase")
+        self.upstream_errors = counter("kvroute_upstream_errors", "Worker failures seen by the proxy", "worker",
+                                       "phase")
         self.worker_refused = counter("kvroute_worker_refused", "Worker registrations refused", "worker", "reason")
         self.worker_transitions = counter("kvroute_worker_transitions", "Worker state changes", "worker", "state")
         self.internal_errors = counter("kvroute_internal_errors", "Unexpected exceptions turned into 500s")

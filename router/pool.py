@@ -152,7 +152,8 @@ class WorkerPool:
         if w.events is not None and self.ingest is not None:
             self.ingest.add_worker(w)
         else:
-            idx.add_worker(w.id, w.model.namespace.digest, w.block_size, w.remote_group, trusted_digests=w.trusted_digests)
+            idx.add_worker(w.id, w.model.namespace.digest, w.block_size, w.remote_group,
+                           trusted_digests=w.trusted_digests)
         w.in_index = True
 
     def _leave(self, w: Worker) -> None:
@@ -254,7 +255,8 @@ class WorkerPool:
                 w.events = w.cfg.events
             elif info.events is not None and info.events.endpoint:
                 ev = info.events
-                w.events = EventsConfig(endpoint=ev.endpoint, replay_endpoint=ev.replay_endpoint, topic=ev.topic or "kv")
+                w.events = EventsConfig(endpoint=ev.endpoint, replay_endpoint=ev.replay_endpoint,
+                                        topic=ev.topic or "kv")
             else:
                 w.events = None
             w.view.supports_prefetch = "prefetch" in w.capabilities
@@ -283,7 +285,8 @@ class WorkerPool:
             self._refuse(w, f"cannot index this worker: {e}", "index")
             return False
         except Exception as e:  # zmq.ZMQError: an events endpoint that cannot be bound/parsed
-            self._refuse(w, f"cannot subscribe to its KV events at {w.events.endpoint if w.events else '?'}: {e}", "events")
+            where = w.events.endpoint if w.events else "?"
+            self._refuse(w, f"cannot subscribe to its KV events at {where}: {e}", "events")
             return False
         w.fails = 0
         await self._poll_load(w)

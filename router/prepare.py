@@ -89,7 +89,7 @@ class Preparer:
         keys_s = time.perf_counter() - tk
         sampling = {k: v for k in SAMPLING_FIELDS if (v := getattr(req, k)) is not None}
         include_usage = bool(req.stream and req.stream_options is not None and req.stream_options.include_usage)
-        rid = ("chatcmpl-" if chat else "cmpl-") + "%024x" % self._rid_rng.getrandbits(96)
+        rid = ("chatcmpl-" if chat else "cmpl-") + f"{self._rid_rng.getrandbits(96):024x}"
         return Prepared(
             rid, chat, tenant, model, req.model, ids, plan, mt, req.stream, include_usage, sampling,
             req.cache_salt, t0, int(time.time()), keys_s, raw, requested_max_tokens(req) is not None,

@@ -67,7 +67,7 @@ class UpstreamStream:
                 if len(buf) > _MAX_EVENT:
                     raise UpstreamError(f"worker {self.worker_id} sent an oversized event", False, phase="stream")
                 *events, rest = buf.split(b"\n\n")
-                out = []
+                out: list[bytes] = []
                 for ev in events:
                     for line in ev.split(b"\n"):
                         if not line.startswith(b"data:"):
@@ -82,7 +82,8 @@ class UpstreamStream:
                 if out:
                     yield out
         except (TimeoutError, aiohttp.ClientError, ConnectionError) as e:
-            raise UpstreamError(f"worker {self.worker_id} stream failed: {type(e).__name__}: {e}", False, phase="stream") from None
+            raise UpstreamError(f"worker {self.worker_id} stream failed: {type(e).__name__}: {e}", False,
+                                phase="stream") from None
 
     def close(self) -> None:
         self.resp.close()

@@ -30,7 +30,9 @@ class _Line(msgspec.Struct):
 
 
 class TraceRecorder:
-    def __init__(self, path: str | Path, salt: str | None = None, block_tokens: int = 512, max_ids: int = 10_000_000) -> None:
+    def __init__(
+        self, path: str | Path, salt: str | None = None, block_tokens: int = 512, max_ids: int = 10_000_000
+    ) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._f = open(self.path, "ab", buffering=1 << 16)
@@ -45,7 +47,7 @@ class TraceRecorder:
         self.lines = 0
         self.stopped = False
 
-    def hash_ids(self, ids: array, scoped: Namespace) -> list[int]:
+    def hash_ids(self, ids: array[int], scoped: Namespace) -> list[int]:
         ns = scoped.model_level()
         hasher = self._hashers.get(ns.digest)
         if hasher is None:
@@ -70,7 +72,7 @@ class TraceRecorder:
             out.append(i)
         return out
 
-    def record(self, arrival_t: float, ids: array, scoped: Namespace, output_length: int) -> None:
+    def record(self, arrival_t: float, ids: array[int], scoped: Namespace, output_length: int) -> None:
         """Append a line for a finished request (`arrival_t` on the monotonic clock)."""
         if self.stopped:
             return

@@ -85,7 +85,8 @@ def decode_request(body: bytes, chat: bool) -> tuple[dict[str, Any], ChatRequest
     except msgspec.DecodeError as e:
         raise bad_request(f"We could not parse the JSON body of your request: {e}", None, "invalid_json") from None
     try:
-        req = msgspec.convert(raw, ChatRequest if chat else CompletionRequest)
+        req: ChatRequest | CompletionRequest = (
+            msgspec.convert(raw, ChatRequest) if chat else msgspec.convert(raw, CompletionRequest))
     except msgspec.ValidationError as e:
         msg = str(e)
         m = _PATH.search(msg)
@@ -242,7 +243,9 @@ def upstream_error_message(body: bytes) -> tuple[str, str | None, str | None]:
 def api_error_from_upstream(status: int, body: bytes, worker_id: str) -> ApiError:
     msg, typ, code = upstream_error_message(body)
     if status == 429:
-        return ApiError(429, f"Worker {worker_id} is overloaded: {msg}", "rate_limit_error", None, code or "overloaded", 1.0)
+        return ApiError(429, f"Worker {worker_id} is overloaded: {msg}", "rate_limit_error", None,
+                        code or "overloaded", 1.0)
     if 400 <= status < 500:
         return ApiError(400 if status not in (404, 413) else status, msg, typ or "invalid_request_error", None, code)
-    return ApiError(502, f"Worker {worker_id} failed ({status}): {msg}", "upstream_error", None, code or "worker_failed")
+    return ApiError(502, f"Worker {worker_id} failed ({status}): {msg}", "upstream_error", None,
+                    code or "worker_failed")

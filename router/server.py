@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 
 import uvicorn
@@ -15,7 +16,8 @@ from .gateway import Gateway
 
 
 def setup_logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level, logging.INFO), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=getattr(logging, level, logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def uvicorn_config(app: GatewayAPI, cfg: Config, sock_port: int | None = None) -> uvicorn.Config:
@@ -45,6 +47,14 @@ def serve(cfg: Config) -> int:
     return 0 if server.started else 1
 
 
+class _EmbeddedServer(uvicorn.Server):
+    """A uvicorn server inside someone else's loop: signals stay its owner's business."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
 @asynccontextmanager
 async def running_gateway(cfg: Config, *, ready_timeout: float | None = None) -> AsyncIterator[tuple[Gateway, str]]:
     """Start a gateway on the current loop on a free 127.0.0.1 port; yields (gateway, base URL).
@@ -63,8 +73,7 @@ async def running_gateway(cfg: Config, *, ready_timeout: float | None = None) ->
     port = sock.getsockname()[1]
     ucfg = uvicorn.Config(GatewayAPI(gw, manage_lifespan=False), loop="none", http="httptools", lifespan="off",
                           access_log=False, log_level="warning", timeout_keep_alive=30)
-    server = uvicorn.Server(ucfg)
-    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+    server = _EmbeddedServer(ucfg)
     task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
     try:
         while not server.started:

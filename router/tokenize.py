@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-TokenIds = array  # array('I'): 4 bytes per id, .tobytes() is what block keys hash
 
 
 class TokenizerError(ValueError):
@@ -40,19 +39,19 @@ class SegmentCache:
     __slots__ = ("_d", "max_entries", "max_tokens", "tokens", "stats")
 
     def __init__(self, max_entries: int = 65536, max_tokens: int = 8_000_000) -> None:
-        self._d: OrderedDict[str, array] = OrderedDict()
+        self._d: OrderedDict[str, array[int]] = OrderedDict()
         self.max_entries = max_entries
         self.max_tokens = max_tokens
         self.tokens = 0
         self.stats = CacheStats()
 
-    def get(self, seg: str) -> array | None:
+    def get(self, seg: str) -> array[int] | None:
         ids = self._d.get(seg)
         if ids is not None:
             self._d.move_to_end(seg)
         return ids
 
-    def put(self, seg: str, ids: array) -> None:
+    def put(self, seg: str, ids: array[int]) -> None:
         n = len(ids)
         if n > self.max_tokens // 4 or seg in self._d:
             return
@@ -67,7 +66,7 @@ class SegmentCache:
         return len(self._d)
 
 
-def _ids(seq: Sequence[int]) -> array:
+def _ids(seq: Sequence[int]) -> array[int]:
     return array("I", seq)
 
 
@@ -101,7 +100,7 @@ class Tokenizer:
 
     # ------------------------------------------------------------------ helpers
 
-    def _learn_post_processor(self) -> tuple[array, array, bool]:
+    def _learn_post_processor(self) -> tuple[array[int], array[int], bool]:
         """What `add_special_tokens=True` adds around a text (e.g. BOS), if it is that simple."""
         probes = ["a", "hello world", "x\ny"]
         pre: list[int] | None = None
@@ -142,12 +141,12 @@ class Tokenizer:
 
     # ------------------------------------------------------------------ encode
 
-    def plan(self, text: str) -> tuple[list[array | str], list[str]]:
+    def plan(self, text: str) -> tuple[list[array[int] | str], list[str]]:
         """Split `text`, serve what the cache holds; returns (parts, segments still to encode).
 
         Each part is either cached ids or the segment text awaiting `finish`.
         """
-        parts: list[array | str] = []
+        parts: list[array[int] | str] = []
         todo: list[str] = []
         get = self.cache.get
         split_ids = self._split_ids
@@ -167,14 +166,16 @@ class Tokenizer:
                 st.hit_tokens += len(ids)
         return parts, todo
 
-    def encode_segments(self, todo: list[str]) -> list[array]:
+    def encode_segments(self, todo: list[str]) -> list[array[int]]:
         """Encode uncached segments (GIL released: safe to run in a worker thread)."""
         encs = self.backend.encode_batch(todo, add_special_tokens=False)
         return [_ids(e.ids) for e in encs]
 
-    def finish(self, parts: list[array | str], todo: list[str], encoded: list[array], specials: bool) -> array:
+    def finish(
+        self, parts: list[array[int] | str], todo: list[str], encoded: list[array[int]], specials: bool
+    ) -> array[int]:
         """Assemble the ids, caching the newly encoded segments (event-loop side)."""
-        new = dict(zip(todo, encoded))
+        new = dict(zip(todo, encoded, strict=False))
         put = self.cache.put
         st = self.cache.stats
         for seg, ids in new.items():
@@ -190,7 +191,7 @@ class Tokenizer:
     def needs_thread(self, todo: list[str]) -> bool:
         return sum(map(len, todo)) >= self.thread_min_chars
 
-    def encode_text(self, text: str, add_special_tokens: bool) -> array:
+    def encode_text(self, text: str, add_special_tokens: bool) -> array[int]:
         """Synchronous cached encode (the thread decision is the caller's; see `Tokenization`)."""
         if add_special_tokens and not self._pp_exact:
             return _ids(self.backend.encode(text, add_special_tokens=True).ids)
@@ -200,7 +201,8 @@ class Tokenizer:
 
     def encode_uncached(self, text: str, add_special_tokens: bool) -> list[int]:
         """The reference: the whole text through the tokenizer at once (tests, explain)."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        ids: list[int] = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return ids
 
     @property
     def exact_specials(self) -> bool:
@@ -242,7 +244,7 @@ class Tokenization:
         self._pool = ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="tokenize")
         self.threaded = 0
 
-    async def encode_text(self, tok: Tokenizer, text: str, add_special_tokens: bool) -> array:
+    async def encode_text(self, tok: Tokenizer, text: str, add_special_tokens: bool) -> array[int]:
         import asyncio
 
         if add_special_tokens and not tok.exact_specials:
@@ -255,7 +257,7 @@ class Tokenization:
             return tok.encode_text(text, True)
         parts, todo = tok.plan(text)
         if not todo:
-            encoded: list[array] = []
+            encoded: list[array[int]] = []
         elif tok.needs_thread(todo):
             self.threaded += 1
             encoded = await asyncio.get_running_loop().run_in_executor(self._pool, tok.encode_segments, todo)

@@ -70,7 +70,9 @@ class PolicyBase:
         self.calibrator = Calibrator()
         self._last_cost: dict[str, CostParams] = {}
 
-    def observe(self, worker_id: str, predicted_ttft: float | None, actual_ttft: float, kv: Mapping[str, object] | None) -> None:
+    def observe(
+        self, worker_id: str, predicted_ttft: float | None, actual_ttft: float, kv: Mapping[str, object] | None
+    ) -> None:
         """Feed the calibrator with what the worker reported (usage.kv) after its first token."""
         self.calibrator.observe(worker_id, self._last_cost.get(worker_id), predicted_ttft, actual_ttft, kv)
 

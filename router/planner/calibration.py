@@ -157,7 +157,7 @@ class Calibrator:
         loaded_raw = kv.get("loaded_tokens")
         loaded: dict[Tier, float] = {}
         if isinstance(loaded_raw, Mapping):
-            for name, v in loaded_raw.items():
+            for name, _v in loaded_raw.items():
                 t = _TIER_BY_NAME.get(name) if isinstance(name, str) else None
                 n = _num(loaded_raw, name)
                 if t is not None and n:

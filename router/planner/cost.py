@@ -373,7 +373,8 @@ def estimate_worker(
         crit = t_load - q if t_load > q else 0.0
     else:
         crit = t_load
-    return Estimate(wid, matched, k, by_tier, pre, N - k * B, q, crit, t_load, cut.t_prefill, cut.t_ttft, True, note, peer_src)
+    return Estimate(wid, matched, k, by_tier, pre, N - k * B, q, crit, t_load, cut.t_prefill, cut.t_ttft, True, note,
+                    peer_src)
 
 
 def ttft_lower_bound(

@@ -31,7 +31,7 @@ def explain(policy: Policy, req: RouteRequest, workers: Sequence[WorkerView]) ->
         return d
     scales = policy.scales if isinstance(policy, PolicyBase) else None
     d.estimates = estimate_all(req, workers, prefetch=False, peer=False, scales=scales)
-    for w, e in zip(workers, d.estimates):
+    for w, e in zip(workers, d.estimates, strict=False):
         e.load = outstanding_requests(w)
         if at_cap(w) and e.eligible:
             e.eligible = False

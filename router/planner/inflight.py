@@ -131,6 +131,7 @@ class InflightLedger:
             if v.inflight_loads:
                 v.inflight_loads = ()
             return
-        keep = [r for r in self.loading if not r.prefilled and r.ready_at is not None and r.ready_at + LOADS_KEPT_S > now]
+        keep = [r for r in self.loading
+                if not r.prefilled and r.ready_at is not None and r.ready_at + LOADS_KEPT_S > now]
         self.loading = keep
         v.inflight_loads = tuple((r.ready_at - now, r.prefill_s) for r in keep)  # type: ignore[operator]

@@ -23,7 +23,6 @@ from .cost import INF, RequestContext, estimate_worker, interference_seconds, tt
 from .load import at_cap, outstanding_requests
 from .types import Decision, Estimate, RouteRequest, WorkerView
 
-
 LinkScales = dict[Tier, float]
 
 

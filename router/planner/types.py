@@ -156,6 +156,8 @@ class Policy(Protocol):
         """Pick a worker among `workers` (already filtered to healthy, routable ones)."""
         ...
 
-    def observe(self, worker_id: str, predicted_ttft: float | None, actual_ttft: float, kv: Mapping[str, object] | None) -> None:
+    def observe(
+        self, worker_id: str, predicted_ttft: float | None, actual_ttft: float, kv: Mapping[str, object] | None
+    ) -> None:
         """Feedback after a request's first token (calibration); may do nothing."""
         ...
