@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 WORKERS ?= 4
 ARGS ?=
 
-.PHONY: venv up test test-slow test-all bench clean
+.PHONY: venv up test test-slow test-all lint bench clean
 
 # torch==2.13.0 (extra `worker`) resolves to the CPU wheel on this machine's disk;
 # it is pinned so pip never pulls a multi-GB CUDA build.
@@ -28,6 +28,11 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -m slow $(ARGS)
+
+# ruff over the tree; mypy over every package (strict where pyproject says so).
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy kvindex kvwire router workers loadtest kvroute
 
 test-all: $(STAMP)
 	$(PY) -m pytest -m '' $(ARGS)

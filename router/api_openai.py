@@ -57,7 +57,11 @@ class CompletionRoute:
     async def _handle(self, scope: Scope, receive: Receive, out: AsgiOut) -> None:
         gw = self.gw
         headers = headers_of(scope)
-        tenant = gw.tenancy.authenticate(headers)
+        try:
+            tenant = gw.tenancy.authenticate(headers)
+        except ApiError as e:  # refused before its body was read: the connection cannot be reused
+            e.headers.setdefault("connection", "close")
+            raise
         body = await read_body(receive, gw.cfg.limits.max_body_bytes, headers.get("content-length"))
         # Completions may run for minutes: from now on, watch for the client leaving.
         me = asyncio.current_task()

@@ -118,6 +118,10 @@ def _errors(app: FastAPI, gw: Gateway) -> None:
         return api_error(bad_request(f"Invalid request: {'.'.join(loc) or 'body'}: {err.get('msg', 'invalid')}",
                                      ".".join(loc) or None))
 
+    @app.exception_handler(RecursionError)
+    async def on_deep(request: Request, e: RecursionError) -> Response:
+        return api_error(bad_request("The request body is nested too deeply.", None, "invalid_json"))
+
     @app.exception_handler(Exception)
     async def on_crash(request: Request, e: Exception) -> Response:
         rid = "req-" + os.urandom(8).hex()

@@ -223,13 +223,35 @@ class ObservabilityConfig(_Strict):
 
 
 class PoolConfig(_Strict):
+    """Worker health, the circuit breaker, and the timeouts of a request upstream.
+
+    Health is decided by `/health` probes only: `unhealthy_after` consecutive failures
+    spanning at least `unhealthy_min_s` (a busy worker answering slowly for a moment is
+    not dead), or a refused connection (nothing listens). Failures the proxy sees
+    (timeouts, resets, 5xx) open the worker's circuit breaker after `breaker_failures`
+    in a row: out of routing for `breaker_open_s` (doubling while trials fail, up to
+    `breaker_max_open_s`), its index entries kept."""
+
     load_poll_interval_s: float = Field(default=0.1, gt=0)
     health_interval_s: float = Field(default=1.0, gt=0)
-    unhealthy_after: int = Field(default=3, ge=1)  # consecutive failed checks
+    unhealthy_after: int = Field(default=3, ge=1)  # consecutive failed health probes
+    unhealthy_min_s: float = Field(default=3.0, ge=0)  # ... failing for at least this long
+    breaker_failures: int = Field(default=5, ge=1)
+    breaker_open_s: float = Field(default=1.0, gt=0)
+    breaker_max_open_s: float = Field(default=30.0, gt=0)
     connect_timeout_s: float = Field(default=1.0, gt=0)
-    request_timeout_s: float = Field(default=600.0, gt=0)
+    # First byte: the predicted TTFT times `first_byte_factor`, never under `first_byte_min_s`.
+    first_byte_min_s: float = Field(default=30.0, gt=0)
+    first_byte_factor: float = Field(default=4.0, ge=1)
+    idle_timeout_s: float = Field(default=30.0, gt=0)  # between chunks of a stream
+    request_timeout_s: float = Field(default=600.0, gt=0)  # a whole request
     probe_timeout_s: float = Field(default=2.0, gt=0)
     max_connections: int = Field(default=1024, gt=0)
+
+    def first_byte_s(self, predicted_ttft_s: float | None) -> float:
+        if predicted_ttft_s is None:
+            return max(self.first_byte_min_s, self.idle_timeout_s)
+        return max(self.first_byte_min_s, self.first_byte_factor * predicted_ttft_s)
 
 
 class ListenConfig(_Strict):

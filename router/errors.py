@@ -67,7 +67,9 @@ def model_not_found(model: str) -> ApiError:
 
 
 def too_large(limit: int) -> ApiError:
-    return ApiError(413, f"Request body larger than {limit} bytes.", "invalid_request_error", None, "request_too_large")
+    """The body was not read to its end: the connection cannot carry another request."""
+    return ApiError(413, f"Request body larger than {limit} bytes.", "invalid_request_error", None,
+                    "request_too_large", headers={"connection": "close"})
 
 
 def rate_limited(message: str, retry_after_s: float, code: str = "overloaded") -> ApiError:

@@ -100,9 +100,8 @@ class Gateway:
         )
         self.prefetcher = Prefetcher(self.session, prefetch_rule(cfg.routing.prefetch), self.metrics, self._spawn,
                                      cfg.pool.connect_timeout_s)
-        timeout = aiohttp.ClientTimeout(total=cfg.pool.request_timeout_s, connect=cfg.pool.connect_timeout_s)
-        self.relay = Relay(self.session, self.pool, self.observer, timeout)
-        self.passthrough = PassThrough(self.session, self.pool, self.observer, timeout)
+        self.relay = Relay(self.session, self.pool, self.observer, cfg.pool)
+        self.passthrough = PassThrough(self.session, self.pool, self.observer, cfg.pool)
         for wc in cfg.workers:
             self.pool.add(wc)
         self.started = True
@@ -157,6 +156,12 @@ class Gateway:
         model = prep.model
         workers = self.pool.routable(model.id)
         if not workers:
+            failing = self.pool.healthy(model.id)  # alive, but out of routing by their breakers
+            if failing:
+                self.metrics.child(self.metrics.shed, "workers_failing").inc()
+                wait = min(w.breaker.retry_after_s(time.monotonic()) for w in failing)
+                raise rate_limited("The model's workers are failing requests right now; retry later.",
+                                   max(wait, self.cfg.routing.default_retry_after_s), "workers_failing")
             self.metrics.child(self.metrics.shed, "no_healthy_worker").inc()
             raise unavailable(f"No healthy worker serves model {model.id!r} right now.", 1.0)
         if prep.ours_error is not None:  # only pass-through workers take what ours do not implement
@@ -253,7 +258,7 @@ class Gateway:
                 return await self._attempt(prep, d, rr, w, estimates.get(wid), out)
             except UpstreamError as e:
                 if not e.retryable:
-                    raise (e.api_error or upstream_failed(str(e))) from None
+                    raise (e.api_error or upstream_failed("A worker failed to answer.")) from None
                 last = e
                 log.warning("request %s: worker %s failed before the first byte: %s", prep.rid, w.id, e)
         if last is not None and last.api_error is not None and last.api_error.status == 429:
@@ -261,7 +266,10 @@ class Gateway:
             raise last.api_error
         if last is None:
             raise unavailable("No healthy worker could take this request.", 1.0)
-        raise upstream_failed(f"The worker failed before answering and the retry failed too: {last}")
+        log.warning("request %s: no worker answered (%d tried): %s", prep.rid, tried, last)
+        if tried > 1:
+            raise upstream_failed(f"The {tried} workers tried failed before answering; retry the request.")
+        raise upstream_failed("The worker failed before answering; retry the request.")
 
     async def _attempt(
         self, prep: Prepared, d: Decision, rr: RouteRequest, w: Worker, est: Estimate | None, out: Out
@@ -291,7 +299,7 @@ class Gateway:
         except UpstreamError as e:
             self.metrics.child(self.metrics.upstream_errors, w.id, e.phase).inc()
             self.prefetcher.cancel(pf)
-            if e.phase != "status" or e.fatal:
+            if e.fatal or e.worker_trouble:
                 self.pool.report_failure(w, str(e), e.fatal)
             raise
         finally:

@@ -20,10 +20,11 @@ import aiohttp
 import msgspec
 
 from .attempt import JSON_HEADERS, SSE_HEADERS, Attempt, Out, Result
+from .config import PoolConfig
 from .observe import Observer
 from .pool import WorkerPool
-from .proxy import UpstreamError, post
-from .responses import SSE_DONE, sse_error
+from .proxy import UpstreamError, post, read_within
+from .responses import SSE_DONE, STREAM_FAILED, sse_error
 from .worker import Worker
 
 log = logging.getLogger("kvroute.passthrough")
@@ -34,11 +35,12 @@ _USAGE_NULL = (b'"usage":null', b'"usage": null')
 
 class PassThrough:
     def __init__(self, session: aiohttp.ClientSession, pool: WorkerPool, observer: Observer,
-                 timeout: aiohttp.ClientTimeout) -> None:
+                 timeouts: PoolConfig) -> None:
         self.session = session
         self.pool = pool
         self.observer = observer
-        self.timeout = timeout
+        self.timeouts = timeouts
+        self.timeout = aiohttp.ClientTimeout(total=timeouts.request_timeout_s, connect=timeouts.connect_timeout_s)
 
     def payload(self, a: Attempt) -> bytes:
         """The client's body with the routing additions (module doc)."""
@@ -62,6 +64,7 @@ class PassThrough:
                    "accept": "text/event-stream" if a.prep.stream else "application/json"}
         a.t_dispatch = time.monotonic()
         resp = await post(self.session, w.url + path, self.payload(a), w.id, self.timeout, headers, relay_4xx=True)
+        a.rec.ticket.abort = resp.close  # the worker died: end this request now
         self.pool.accepted(a.rec)
         try:
             if resp.status != 200:
@@ -93,11 +96,14 @@ class PassThrough:
 
     async def _relay_stream(self, a: Attempt, resp: aiohttp.ClientResponse, out: Out) -> int:
         res = Result()
-        relay = _StreamRelay(a, res, out, drop_usage=not a.prep.include_usage)
+        t = self.timeouts
+        relay = _StreamRelay(a, res, out, not a.prep.include_usage, t.first_byte_s(a.predicted), t.idle_timeout_s)
         try:
             await relay.first(resp, self.pool)
         except UpstreamError as e:
-            e.retryable, e.phase = True, "first"
+            e.retryable = True
+            if e.phase == "stream":
+                e.phase = "first"
             raise
         try:
             await relay.rest(resp)
@@ -105,7 +111,7 @@ class PassThrough:
             m = self.observer.metrics
             m.child(m.upstream_errors, a.worker.id, "stream").inc()
             log.warning("request %s: worker %s failed after the first byte: %s", a.prep.rid, a.worker.id, e)
-            await out.body(sse_error(str(e), "upstream_error", "worker_failed", a.prep.rid) + SSE_DONE)
+            await out.body(sse_error(STREAM_FAILED, "upstream_error", "worker_failed", a.prep.rid) + SSE_DONE)
             self.observer.done(a, res, False)
             return 200
         self.observer.done(a, res, True)
@@ -115,13 +121,16 @@ class PassThrough:
 class _StreamRelay:
     """Splits the worker's SSE into events, forwards them per network read."""
 
-    def __init__(self, a: Attempt, res: Result, out: Out, drop_usage: bool) -> None:
+    def __init__(self, a: Attempt, res: Result, out: Out, drop_usage: bool, first_timeout_s: float,
+                 idle_timeout_s: float) -> None:
         self.a = a
         self.res = res
         self.out = out
         self.drop_usage = drop_usage
         self.rest_buf = b""
         self.done = False
+        self.timeout_s = first_timeout_s  # until the first event, then `idle_timeout_s`
+        self.idle_timeout_s = idle_timeout_s
 
     async def first(self, resp: aiohttp.ClientResponse, pool: WorkerPool) -> None:
         """Until the first event: then the request counts as started (no retry after)."""
@@ -129,6 +138,7 @@ class _StreamRelay:
         while not parts and not self.done:
             parts = self._events(await self._read(resp))
         self.res.t_first = time.monotonic()
+        self.timeout_s = self.idle_timeout_s
         pool.first_token(self.a.rec)
         self.a.worker.served += 1
         await self.out.start(200, SSE_HEADERS + self.a.route_headers())
@@ -143,8 +153,8 @@ class _StreamRelay:
     async def _read(self, resp: aiohttp.ClientResponse) -> bytes:
         w = self.a.worker
         try:
-            data = await resp.content.readany()
-        except (TimeoutError, aiohttp.ClientError, ConnectionError) as e:
+            data = await read_within(resp.content, self.timeout_s, w.id, self.res.t_first is None)
+        except (aiohttp.ClientError, ConnectionError) as e:
             raise UpstreamError(f"worker {w.id} stream failed: {type(e).__name__}: {e}", False, phase="stream") \
                 from None
         if not data:

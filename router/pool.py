@@ -6,7 +6,10 @@ config), adds it to the model's prefix index and to KV-event ingestion, then pol
 load every `pool.load_poll_interval_s` and its `/health` every
 `pool.health_interval_s`. `pool.unhealthy_after` consecutive failures, or one refused
 connection on a request, take it out of routing and drop its index entries (a dead
-worker's cache is not trusted); when it answers again it is registered afresh.
+worker's cache is not trusted); when it answers again it is registered afresh. Health
+is decided by `/health` probes (consecutive failures over a minimum time, or a refused
+connection), never by a slow `/load` under a burst; what the proxy sees fail feeds the
+worker's circuit breaker (router/breaker.py) instead, which keeps its index entries.
 Routing state per worker lives in its `FleetWorker` (router/planner/fleet.py), shared
 with the offline simulator.
 """
@@ -22,6 +25,7 @@ import aiohttp
 
 from kvindex.index import IndexError_
 
+from .breaker import Breaker
 from .config import EventsConfig, PoolConfig, WorkerConfig
 from .costs import cost_params, pins
 from .model import ModelRuntime
@@ -68,6 +72,7 @@ class WorkerPool:
         self._on_state = on_state
         self._on_refused = on_refused
         self._closed = False
+        self._breakers_until = 0.0  # no breaker is open after this time
         self.probe = Probe(session, cfg.probe_timeout_s, cfg.connect_timeout_s)
         self.changed = asyncio.Event()
 
@@ -79,7 +84,8 @@ class WorkerPool:
         assert wc.model is not None
         model = self.models[wc.model]
         view = WorkerView(wc.id, cost_params(model, wc.cost), url=wc.url, supports_prefetch=wc.kind == "kvroute")
-        w = Worker(wc, model, FleetWorker(view, pins(wc.cost), InflightLedger(wc.id)))
+        w = Worker(wc, model, FleetWorker(view, pins(wc.cost), InflightLedger(wc.id)),
+                   breaker=Breaker(self.cfg.breaker_failures, self.cfg.breaker_open_s, self.cfg.breaker_max_open_s))
         w.max_inflight = wc.max_inflight or self.worker_max_inflight
         if wc.kind == "vllm":
             model.keys.has_vllm_workers = True
@@ -121,7 +127,18 @@ class WorkerPool:
         return w
 
     def routable(self, model_id: str) -> list[Worker]:
-        """Healthy, non-draining workers of a model (a cached list, rebuilt on changes)."""
+        """Healthy, non-draining workers of a model whose breaker is closed (or half-open)."""
+        ws = self._routable.get(model_id, [])
+        if not self._breakers_until:
+            return ws
+        now = time.monotonic()
+        if now >= self._breakers_until:
+            self._breakers_until = 0.0
+            return ws
+        return [w for w in ws if not w.breaker.is_open(now)]
+
+    def healthy(self, model_id: str) -> list[Worker]:
+        """Healthy, non-draining workers of a model, breakers regardless."""
         return self._routable.get(model_id, [])
 
     def _rebuild(self, model_id: str) -> None:
@@ -138,8 +155,18 @@ class WorkerPool:
         w.state = state
         w.reason = reason
         self._rebuild(w.model.id)
+        if state is State.UNHEALTHY:
+            self._abort_inflight(w)
         if self._on_state is not None:
             self._on_state(w, state)
+
+    @staticmethod
+    def _abort_inflight(w: Worker) -> None:
+        """A dead worker's requests end now: before their first byte they are retried
+        elsewhere, after it they get an explicit error event."""
+        for t in list(w.inflight):
+            if t.abort is not None:
+                t.abort()
 
     # ------------------------------------------------------------------ index + ingest
 
@@ -179,18 +206,14 @@ class WorkerPool:
                     await asyncio.sleep(cfg.health_interval_s * (5 if w.state is State.REFUSED else 1))
                     continue
                 now = time.monotonic()
-                ok = await self._poll_load(w)
-                if ok and now >= next_health:
-                    # only a passed health check clears the failure count: a worker whose
-                    # /health fails while /load answers is still failing
+                await self._poll_load(w)  # a failed poll leaves the view stale, never unhealthy
+                if now >= next_health:
                     next_health = now + cfg.health_interval_s
                     if await self._check_health(w):
                         if await self._check_identity(w):
                             w.fails = 0
                     else:
-                        self._failed(w, w.last_error)
-                elif not ok:
-                    self._failed(w, w.last_error)
+                        self._health_failed(w, w.last_error, w.last_refused)
                 await asyncio.sleep(cfg.load_poll_interval_s)
             except asyncio.CancelledError:
                 raise
@@ -198,17 +221,42 @@ class WorkerPool:
                 log.exception("worker %s monitor: %s", w.id, e)
                 await asyncio.sleep(cfg.health_interval_s)
 
-    def _failed(self, w: Worker, why: str, fatal: bool = False) -> None:
+    def _health_failed(self, w: Worker, why: str, refused: bool = False) -> None:
+        """A failed `/health` probe: dead when refused (nothing listens), or after
+        `unhealthy_after` failures in a row over at least `unhealthy_min_s`."""
+        now = time.monotonic()
+        if w.fails == 0:
+            w.failing_since = now
         w.fails += 1
         w.failures_total += 1
-        if w.state in (State.HEALTHY, State.DRAINING) and (fatal or w.fails >= self.cfg.unhealthy_after):
+        cfg = self.cfg
+        long_enough = w.fails >= cfg.unhealthy_after and now - w.failing_since >= cfg.unhealthy_min_s
+        if w.state in (State.HEALTHY, State.DRAINING) and (refused or long_enough):
             self._leave(w)
             self._set_state(w, State.UNHEALTHY, why)
 
     def report_failure(self, w: Worker, why: str, fatal: bool) -> None:
-        """The proxy saw the worker fail: a refused connection takes it out at once."""
+        """The proxy saw the worker fail: a refused connection takes it out at once (its
+        process is gone); anything else counts toward its circuit breaker."""
         w.last_error = why
-        self._failed(w, why, fatal)
+        w.failures_total += 1
+        if fatal:
+            self._health_failed(w, why, refused=True)
+            return
+        now = time.monotonic()
+        was_open = w.breaker.is_open(now)
+        if w.breaker.failure(now) and not was_open:
+            self._breakers_until = max(self._breakers_until, w.breaker.open_until)
+            log.warning("worker %s: circuit open for %.1f s after %d failures in a row (%s)", w.id,
+                        w.breaker.backoff_s, w.breaker.fails, why)
+            self.changed.set()
+
+    def report_success(self, w: Worker) -> None:
+        """A first token arrived: the breaker closes."""
+        if w.breaker.fails:
+            if w.breaker.open_until:
+                log.info("worker %s: circuit closed", w.id)
+            w.breaker.success()
 
     async def _check_health(self, w: Worker) -> bool:
         st = await self.probe.health(w)
@@ -302,7 +350,7 @@ class WorkerPool:
             self._refuse(w, str(e), "bad_models")
             return False
         if names is None:
-            self._failed(w, w.last_error)
+            self._health_failed(w, w.last_error, w.last_refused)
             return False
         model = w.model
         wanted = [model.id, *model.cfg.served_names]
@@ -363,6 +411,7 @@ class WorkerPool:
 
     def first_token(self, r: Inflight) -> None:
         r.worker.fleet.first_token(r.ticket, time.monotonic())
+        self.report_success(r.worker)
 
     def finished(self, r: Inflight) -> None:
         r.worker.fleet.finished(r.ticket)

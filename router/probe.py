@@ -26,6 +26,9 @@ class Probe:
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, connect=connect_timeout_s)
 
     async def fetch(self, w: Worker, path: str) -> bytes | None:
+        """The body of a 200, else None with the reason in `w.last_error` (and whether
+        nothing listens at all in `w.last_refused`)."""
+        w.last_refused = False
         try:
             async with self.session.get(w.url + path, timeout=self.timeout) as r:
                 body = await r.read()
@@ -33,6 +36,10 @@ class Probe:
                     w.last_error = f"GET {path}: HTTP {r.status}"
                     return None
                 return body
+        except aiohttp.ClientConnectorError as e:
+            w.last_refused = isinstance(e.os_error, ConnectionRefusedError)
+            w.last_error = f"GET {path}: {type(e).__name__}: {e}"
+            return None
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
             w.last_error = f"GET {path}: {type(e).__name__}: {e}"
             return None

@@ -8,6 +8,7 @@ Details: docs/gateway.md.
 """
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -29,6 +30,13 @@ class UpstreamError(Exception):
     fatal: bool = False  # the worker is gone (connection refused): take it out now
     api_error: ApiError | None = None  # what the client should see if not retried
     phase: str = "connect"
+    status: int | None = None  # the worker's HTTP status, when it answered with one
+
+    @property
+    def worker_trouble(self) -> bool:
+        """A failure that says the worker is in trouble (for its circuit breaker): no
+        answer, a broken stream, a 5xx; not an overloaded (429) or draining (503) one."""
+        return self.status is None or (self.status >= 500 and self.status != 503)
 
     def __str__(self) -> str:
         return self.message
@@ -37,11 +45,14 @@ class UpstreamError(Exception):
 class UpstreamStream:
     """An open upstream SSE response; iterate `events()` for each `data:` payload."""
 
-    __slots__ = ("resp", "worker_id", "done")
+    __slots__ = ("resp", "worker_id", "done", "first_timeout_s", "idle_timeout_s")
 
-    def __init__(self, resp: aiohttp.ClientResponse, worker_id: str) -> None:
+    def __init__(self, resp: aiohttp.ClientResponse, worker_id: str, first_timeout_s: float = 600.0,
+                 idle_timeout_s: float = 600.0) -> None:
         self.resp = resp
         self.worker_id = worker_id
+        self.first_timeout_s = first_timeout_s  # for the first event
+        self.idle_timeout_s = idle_timeout_s  # between reads after it
         # Set before the last batch is yielded (the one that ended at [DONE]), so the
         # consumer can fold that batch, the usage chunk and [DONE] into one client
         # write: on this machine each socket write is a large share of a request's CPU.
@@ -56,9 +67,11 @@ class UpstreamStream:
         """
         content = self.resp.content
         rest = b""
+        timeout = self.first_timeout_s
         try:
             while True:
-                data = await content.readany()
+                data = await read_within(content, timeout, self.worker_id, timeout is self.first_timeout_s)
+                timeout = self.idle_timeout_s
                 if not data:
                     raise UpstreamError(
                         f"worker {self.worker_id} closed the stream before [DONE]", False, phase="stream"
@@ -112,12 +125,27 @@ async def post(
         body = b""
     finally:
         resp.release()
-    err = api_error_from_upstream(resp.status, body, worker_id)
-    raise UpstreamError(err.message, retryable, api_error=err, phase="status")
+    err = api_error_from_upstream(resp.status, body)
+    raise UpstreamError(f"worker {worker_id} answered HTTP {resp.status}", retryable, api_error=err, phase="status",
+                        status=resp.status)
 
 
 async def open_stream(
-    session: aiohttp.ClientSession, url: str | URL, payload: bytes, worker_id: str, timeout: aiohttp.ClientTimeout
+    session: aiohttp.ClientSession, url: str | URL, payload: bytes, worker_id: str, timeout: aiohttp.ClientTimeout,
+    first_timeout_s: float = 600.0, idle_timeout_s: float = 600.0,
 ) -> UpstreamStream:
     """POST to our worker and check the status; the stream is not read yet."""
-    return UpstreamStream(await post(session, url, payload, worker_id, timeout), worker_id)
+    resp = await post(session, url, payload, worker_id, timeout)
+    return UpstreamStream(resp, worker_id, first_timeout_s, idle_timeout_s)
+
+
+async def read_within(content: aiohttp.StreamReader, timeout_s: float, worker_id: str, first: bool) -> bytes:
+    """The next network read of a stream, or an UpstreamError when the worker says nothing
+    for `timeout_s` (before the first event: retryable elsewhere)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await content.readany()
+    except TimeoutError:
+        what = "first byte" if first else "next chunk"
+        raise UpstreamError(f"worker {worker_id}: no {what} within {timeout_s:.0f} s", first,
+                            phase="first_byte_timeout" if first else "idle_timeout") from None

@@ -18,6 +18,7 @@ import msgspec
 from yarl import URL
 
 from .attempt import JSON_HEADERS, SSE_HEADERS, Attempt, Out, Result
+from .config import PoolConfig
 from .errors import ApiError
 from .observe import Observer
 from .pool import WorkerPool
@@ -25,6 +26,7 @@ from .prepare import Prepared
 from .proxy import UpstreamError, UpstreamStream, open_stream
 from .responses import (
     SSE_DONE,
+    STREAM_FAILED,
     chat_chunk,
     chat_first_chunk,
     chat_response,
@@ -44,13 +46,14 @@ Render = Callable[[str, int, str, str, "str | None"], bytes]
 
 class Relay:
     def __init__(
-        self, session: aiohttp.ClientSession, pool: WorkerPool, observer: Observer, timeout: aiohttp.ClientTimeout,
+        self, session: aiohttp.ClientSession, pool: WorkerPool, observer: Observer, timeouts: PoolConfig,
     ) -> None:
         self.session = session
         self.pool = pool
         self.observer = observer
         self.metrics = observer.metrics
-        self.timeout = timeout
+        self.timeouts = timeouts
+        self.timeout = aiohttp.ClientTimeout(total=timeouts.request_timeout_s, connect=timeouts.connect_timeout_s)
 
     def payload(self, prep: Prepared, w: Worker) -> bytes:
         """The upstream body: token ids, always streamed with usage, plus what routing adds."""
@@ -77,7 +80,10 @@ class Relay:
         url = w.completions_url
         if url is None:
             url = w.completions_url = URL(w.url + "/v1/completions")
-        up = await open_stream(self.session, url, self.payload(a.prep, w), w.id, self.timeout)
+        t = self.timeouts
+        up = await open_stream(self.session, url, self.payload(a.prep, w), w.id, self.timeout,
+                               t.first_byte_s(a.predicted), t.idle_timeout_s)
+        a.rec.ticket.abort = up.close  # the worker died: end this request now
         self.pool.accepted(a.rec)
         try:
             return await self._relay(a, up, out)
@@ -94,7 +100,9 @@ class Relay:
         except StopAsyncIteration:
             raise UpstreamError(f"worker {w.id} ended the stream without any chunk", True, phase="first") from None
         except UpstreamError as e:
-            e.retryable, e.phase = True, "first"
+            e.retryable = True
+            if e.phase == "stream":
+                e.phase = "first"
             raise
         res.t_first = time.monotonic()
         self.pool.first_token(a.rec)
@@ -162,9 +170,10 @@ class Relay:
         m.child(m.upstream_errors, w.id, "stream").inc()
         log.warning("request %s: worker %s failed after the first byte: %s", prep.rid, w.id, e)
         if not prep.stream:
-            raise ApiError(502, f"The worker failed while generating: {e}", "upstream_error", None,
+            raise ApiError(502, "The worker failed while generating; retry the request.", "upstream_error", None,
                            "worker_failed") from None
-        await stream.flush([sse_error(str(e), "upstream_error", "worker_failed", prep.rid) + SSE_DONE], more=False)
+        await stream.flush([sse_error(STREAM_FAILED, "upstream_error", "worker_failed", prep.rid) + SSE_DONE],
+                           more=False)
         self.observer.done(a, res, False)
         return 200
 

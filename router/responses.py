@@ -60,6 +60,11 @@ def sse(obj: Any) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
+# What a client is told when its stream breaks after the first byte (the details, with the
+# worker and the library's error, go to the gateway's log under the request id).
+STREAM_FAILED = "The worker failed while generating; the answer is incomplete."
+
+
 def sse_error(message: str, type_: str, code: str | None, request_id: str) -> bytes:
     return sse({"error": {"message": message, "type": type_, "param": None, "code": code, "request_id": request_id}})
 

@@ -80,6 +80,8 @@ def decode_request(body: bytes, chat: bool) -> tuple[dict[str, Any], ChatRequest
     typed view of the fields the gateway reads; a wrong type is a 400 naming the field."""
     try:
         raw = _raw_dec.decode(body)
+    except RecursionError:
+        raise bad_request("The request body is nested too deeply.", None, "invalid_json") from None
     except msgspec.ValidationError:
         raise bad_request("The request body must be a JSON object.") from None
     except msgspec.DecodeError as e:
@@ -240,12 +242,11 @@ def upstream_error_message(body: bytes) -> tuple[str, str | None, str | None]:
     return body[:200].decode(errors="replace") or "worker error", None, None
 
 
-def api_error_from_upstream(status: int, body: bytes, worker_id: str) -> ApiError:
+def api_error_from_upstream(status: int, body: bytes) -> ApiError:
     msg, typ, code = upstream_error_message(body)
     if status == 429:
-        return ApiError(429, f"Worker {worker_id} is overloaded: {msg}", "rate_limit_error", None,
-                        code or "overloaded", 1.0)
+        return ApiError(429, "The model's workers are overloaded; retry later.", "rate_limit_error", None,
+                        "overloaded", 1.0)
     if 400 <= status < 500:
         return ApiError(400 if status not in (404, 413) else status, msg, typ or "invalid_request_error", None, code)
-    return ApiError(502, f"Worker {worker_id} failed ({status}): {msg}", "upstream_error", None,
-                    code or "worker_failed")
+    return ApiError(502, "A worker failed to answer.", "upstream_error", None, "worker_failed")

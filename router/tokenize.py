@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 
-
 class TokenizerError(ValueError):
     """A prompt the tokenizer or template cannot handle (→ 400)."""
 

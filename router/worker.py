@@ -16,6 +16,7 @@ from yarl import URL  # aiohttp's own URL type (a hard dependency of aiohttp)
 
 from kvwire import WorkerInfo
 
+from .breaker import Breaker
 from .config import EventsConfig, WorkerConfig
 from .model import ModelRuntime
 from .planner.fleet import FleetWorker
@@ -52,6 +53,9 @@ class Worker:
     last_error: str = ""
     max_inflight: int | None = None
     served_model: str = ""  # the name the worker serves the model under (its /v1/models), sent upstream
+    breaker: Breaker = field(default_factory=lambda: Breaker(5, 1.0, 30.0))
+    failing_since: float = 0.0  # when the current run of failed health probes began
+    last_refused: bool = False  # the last probe found nothing listening
     completions_url: URL | None = None  # parsed once: aiohttp re-parses a str URL per request
 
     @property

@@ -32,6 +32,7 @@ class FakeWorker:
     capabilities: tuple[str, ...] = ("prefetch", "purge")
     fail_status: int | None = None  # answer completions with this status
     die_after_chunks: int | None = None  # close the connection after N chunks
+    stall_after_chunks: int | None = None  # say nothing more after N chunks (a hung worker)
     first_delay_s: float = 0.0
     token_delay_s: float = 0.0
     load: dict[str, Any] = field(default_factory=dict)
@@ -98,7 +99,8 @@ class FakeWorker:
                 break
 
         async def reply(status: int, obj: Any) -> None:
-            await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json")]})
+            await send({"type": "http.response.start", "status": status,
+                        "headers": [(b"content-type", b"application/json")]})
             await send({"type": "http.response.body", "body": _enc.encode(obj)})
 
         if path == "/health":
@@ -167,6 +169,8 @@ class FakeWorker:
             for i in range(n):
                 if self.die_after_chunks is not None and i >= self.die_after_chunks:
                     raise ConnectionResetError("injected death")
+                if self.stall_after_chunks is not None and i >= self.stall_after_chunks:
+                    await asyncio.Event().wait()  # until the client goes away
                 await send({"type": "http.response.body", "body": _event(_chunk(chat, i, n)), "more_body": True})
                 if self.token_delay_s:
                     await asyncio.sleep(self.token_delay_s)
@@ -258,7 +262,7 @@ async def serve_fake(worker: FakeWorker) -> AsyncIterator[FakeWorker]:
         server.force_exit = True
         try:
             await asyncio.wait_for(task, 5)
-        except (asyncio.TimeoutError, Exception):
+        except (TimeoutError, Exception):
             task.cancel()
         sock.close()
 

@@ -165,7 +165,7 @@ async def test_a_repeated_prefix_is_routed_to_its_holder_and_predicted_exactly(g
     first = await c.chat.completions.with_raw_response.create(model=NAME, messages=LONG, max_tokens=2)  # type: ignore[arg-type]
     holder = first.headers["x-kvroute-worker"]
     n = first.parse().usage.prompt_tokens  # type: ignore[union-attr]
-    assert n > 1000
+    assert n > 500
     rt = gw.models.get(NAME)
     await wait_until(lambda: rt.index.local_blocks(holder) >= 2 * (n // vh.BLOCK_SIZE), 10.0, "the KV events")
     async with aiohttp.ClientSession() as s, s.post(url + "/admin/route/explain",

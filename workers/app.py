@@ -29,7 +29,7 @@ from starlette.types import Receive, Scope, Send
 
 from kvwire import EventsInfo
 from workers.api import Engine
-from workers.errors import EngineError
+from workers.errors import BadRequest, EngineError
 from workers.metrics import WorkerMetrics
 from workers.schema import (
     DOCUMENTED,
@@ -172,7 +172,7 @@ class WorkerApp:
         self.openai = CompletionHandlers(engine, self.metrics, models, limits)
         self.models = ModelHandlers(engine.tokenizer, models, limits)
         self.kv = KVHandlers(engine, limits, peer_token)
-        self.ops = OpsHandlers(engine, self.metrics, url, events)
+        self.ops = OpsHandlers(engine, self.metrics, url, events, peer_export=bool(peer_token))
 
     def routes(self) -> list[RouteSpec]:
         o, m, kv, ops = self.openai, self.models, self.kv, self.ops
@@ -251,6 +251,8 @@ class WorkerApp:
                 resp = from_engine_error(e)
             except msgspec.MsgspecError as e:
                 resp = from_engine_error(decode_error(e))
+            except RecursionError:  # JSON nested deeper than the decoder recurses
+                resp = from_engine_error(BadRequest("request body is nested too deeply"))
             except Exception:
                 rid = uuid.uuid4().hex
                 log.exception("unhandled error in %s (request %s)", name, rid)

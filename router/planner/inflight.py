@@ -9,6 +9,7 @@ definition. Details: docs/planner.md.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .types import Estimate, WorkerView
@@ -32,6 +33,8 @@ class Ticket:
     done: bool = False
     ready_at: float | None = None  # predicted prefill start, when it loads KV from below GPU
     prefill_s: float = 0.0  # its predicted prefill seconds
+    # Ends the request's upstream connection (set by the gateway's relay; the worker died)
+    abort: Callable[[], None] | None = None
 
 
 @dataclass(slots=True, eq=False)

@@ -16,18 +16,24 @@ from .common import json_response
 class OpsHandlers:
     """GET /load, /info, /health, /metrics."""
 
-    def __init__(self, engine: Engine, metrics: WorkerMetrics, url: str, events: EventsInfo | None) -> None:
+    def __init__(self, engine: Engine, metrics: WorkerMetrics, url: str, events: EventsInfo | None,
+                 peer_export: bool) -> None:
         self.engine = engine
         self.metrics = metrics
         self.url = url
         self.events = events
+        self.peer_export = peer_export
 
     async def load(self, request: Request) -> Response:
         return json_response(self.engine.load())
 
     async def info(self, request: Request) -> Response:
-        """The engine's /info plus what only the server knows: its URL and event endpoints."""
-        return json_response(msgspec.structs.replace(self.engine.info(), url=self.url, events=self.events))
+        """The engine's /info plus what only the server knows: its URL, its event endpoints,
+        and whether peers can pull from it (`/kv/blocks` needs a peer token: without one,
+        every pull would be refused, so `peer_pull` is not advertised)."""
+        info = self.engine.info()
+        caps = info.capabilities if self.peer_export else [c for c in info.capabilities if c != "peer_pull"]
+        return json_response(msgspec.structs.replace(info, url=self.url, events=self.events, capabilities=caps))
 
     async def health(self, request: Request) -> Response:
         return json_response({"status": "draining" if self.engine.draining else "ok"})

@@ -1,0 +1,153 @@
+"""The gateway under failure and abuse, with scriptable fake workers: health decided by
+probes (not by a slow `/load` under load), the circuit breaker, first-byte and idle
+timeouts, requests on a worker that dies, overload answered with 429, deep JSON, an
+early 413 on a reused connection, and error texts that name no worker."""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+from test_gateway_errors import DIGEST, MODEL, _cfg, client, fleet, wait_until
+from test_gateway_fakes import FakeWorker
+
+
+def _pool(**over: Any) -> dict[str, Any]:
+    base = {"load_poll_interval_s": 0.05, "health_interval_s": 0.1, "unhealthy_after": 2, "probe_timeout_s": 0.3}
+    return {**base, **over}
+
+
+async def test_a_failing_load_poll_never_marks_a_worker_dead() -> None:
+    busy = FakeWorker("a", DIGEST, load={"waiting_requests": "not a number"})  # /load unreadable
+    async with fleet([busy], _cfg(pool=_pool(unhealthy_min_s=0.0))) as (gw, url):
+        w = gw.pool.workers["a"]
+        await asyncio.sleep(1.0)  # ~20 failed polls, ~10 passed health probes
+        assert w.state.value == "healthy" and "/load" in w.last_error
+        r = await client(url).completions.create(model=MODEL, prompt="hi", max_tokens=1)
+        assert r.choices[0].text
+
+
+async def test_health_probes_must_fail_long_enough() -> None:
+    a = FakeWorker("a", DIGEST)
+    async with fleet([a], _cfg(pool=_pool(unhealthy_min_s=1.0))) as (gw, _):
+        w = gw.pool.workers["a"]
+        a.health_status = 500
+        t0 = time.monotonic()
+        await wait_until(lambda: w.state.value == "unhealthy", 5.0, "unhealthy")
+        assert time.monotonic() - t0 >= 1.0  # three failed probes within 0.3 s were not enough
+
+
+async def test_the_breaker_takes_a_failing_worker_out_and_brings_it_back() -> None:
+    bad, good = FakeWorker("bad", DIGEST, fail_status=500), FakeWorker("good", DIGEST)
+    cfg = _cfg(pool=_pool(breaker_failures=2, breaker_open_s=0.5), routing={"policy": "round_robin", "retries": 1})
+    async with fleet([bad, good], cfg) as (gw, url):
+        c = client(url)
+        for _ in range(6):
+            assert (await c.completions.create(model=MODEL, prompt="hi", max_tokens=1)).choices[0].text
+        w = gw.pool.workers["bad"]
+        assert w.state.value == "healthy" and w.breaker.trips >= 1  # alive, cache kept, out of routing
+        assert len(bad.completions) <= 3
+        assert gw.pool.routable(MODEL) == [gw.pool.workers["good"]]
+        bad.fail_status = None
+        await asyncio.sleep(0.6)  # half-open: tried again
+        for _ in range(6):
+            await c.completions.create(model=MODEL, prompt="hi", max_tokens=1)
+        assert w.breaker.fails == 0 and len(gw.pool.routable(MODEL)) == 2
+
+
+async def test_every_worker_failing_is_a_429_not_a_5xx() -> None:
+    a, b = FakeWorker("a", DIGEST, fail_status=500), FakeWorker("b", DIGEST, fail_status=502)
+    cfg = _cfg(pool=_pool(breaker_failures=1, breaker_open_s=5.0))
+    async with fleet([a, b], cfg) as (_, url):
+        c = client(url)
+        with pytest.raises(openai.InternalServerError):  # the first one relays both workers' failures
+            await c.completions.create(model=MODEL, prompt="hi", max_tokens=1)
+        with pytest.raises(openai.RateLimitError) as ei:
+            await c.completions.create(model=MODEL, prompt="hi", max_tokens=1)
+        assert ei.value.code == "workers_failing" and int(ei.value.response.headers["retry-after"]) >= 1
+
+
+async def test_a_worker_that_never_answers_is_replaced_before_the_first_byte() -> None:
+    hung, good = FakeWorker("hung", DIGEST, first_delay_s=60.0), FakeWorker("good", DIGEST)
+    cfg = _cfg(pool=_pool(first_byte_min_s=0.5, first_byte_factor=1.0), routing={"policy": "round_robin",
+                                                                                 "retries": 1})
+    async with fleet([hung, good], cfg) as (gw, url):
+        t0 = time.monotonic()
+        for _ in range(2):
+            r = await client(url).completions.create(model=MODEL, prompt="hi", max_tokens=2)
+            assert r.choices[0].text
+        assert time.monotonic() - t0 < 5.0 and len(hung.completions) == 1
+        assert gw.metrics.upstream_errors.labels("hung", "first_byte_timeout")._value.get() == 1
+
+
+async def test_a_stream_that_stalls_ends_with_an_error_event() -> None:
+    stall = FakeWorker("stall-worker-9", DIGEST, stall_after_chunks=1)
+    async with fleet([stall], _cfg(pool=_pool(idle_timeout_s=0.5))) as (_, url):
+        t0 = time.monotonic()
+        async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions", json={
+                "model": MODEL, "prompt": "hi", "max_tokens": 5, "stream": True}) as r:
+            body = (await r.read()).decode()
+        assert time.monotonic() - t0 < 5.0
+        assert '"error"' in body and body.rstrip().endswith("data: [DONE]")
+        assert _error_text(body) and "stall-worker-9" not in _error_text(body)
+
+
+def _error_text(sse: str) -> str:
+    import json
+
+    for line in sse.splitlines():
+        if line.startswith("data: {") and '"error"' in line:
+            return str(json.loads(line[6:])["error"]["message"])
+    return ""
+
+
+async def test_requests_on_a_worker_that_dies_are_retried() -> None:
+    slow, good = FakeWorker("slow", DIGEST, first_delay_s=60.0), FakeWorker("good", DIGEST)
+    cfg = _cfg(pool=_pool(unhealthy_after=1, unhealthy_min_s=0.0), routing={"policy": "round_robin", "retries": 1})
+    async with fleet([slow, good], cfg) as (gw, url):
+        task = asyncio.ensure_future(client(url).completions.create(model=MODEL, prompt="x", max_tokens=1))
+        await wait_until(lambda: slow.completions or good.completions, 5.0, "dispatch")
+        if good.completions:  # round robin picked the good one first: send another
+            task2 = asyncio.ensure_future(client(url).completions.create(model=MODEL, prompt="y", max_tokens=1))
+            await wait_until(lambda: slow.completions, 5.0, "dispatch to the slow one")
+            await task
+            task = task2
+        slow.health_status = 500  # its /health fails: unhealthy, its in-flight request ends now
+        r = await asyncio.wait_for(task, 10.0)
+        assert r.choices[0].text and gw.pool.workers["slow"].state.value == "unhealthy"
+
+
+async def test_deep_json_is_a_400_on_gateway_and_worker() -> None:
+    deep = b'{"model": "' + MODEL.encode() + b'", "prompt": "x", "extra": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    a = FakeWorker("a", DIGEST)
+    async with fleet([a]) as (_, url):
+        async with aiohttp.ClientSession() as s:
+            for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/admin/route/explain"):
+                async with s.post(url + path, data=deep, headers={"content-type": "application/json"}) as r:
+                    assert r.status == 400, (path, r.status, await r.text())
+
+
+async def test_an_early_413_does_not_break_a_reused_connection() -> None:
+    a = FakeWorker("a", DIGEST)
+    cfg = _cfg(limits={"max_body_bytes": 1000})
+    async with fleet([a], cfg) as (_, url):
+        conn = aiohttp.TCPConnector(limit=1)  # one connection, reused
+        async with aiohttp.ClientSession(connector=conn) as s:
+            big = b'{"model": "x", "prompt": "' + b"a" * 200_000 + b'"}'
+            async with s.post(url + "/v1/completions", data=big) as r:
+                assert r.status == 413
+            async with asyncio.timeout(10):
+                async with s.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1}) as r:
+                    assert r.status == 200
+
+
+async def test_error_texts_name_no_worker() -> None:
+    a = FakeWorker("worker-secret-7", DIGEST, fail_status=500)
+    async with fleet([a]) as (_, url):
+        with pytest.raises(openai.InternalServerError) as ei:
+            await client(url).completions.create(model=MODEL, prompt="hi", max_tokens=1)
+        text = str(ei.value.body)
+        assert "worker-secret-7" not in text and "127.0.0.1" not in text and "retry failed" not in text
