@@ -131,10 +131,11 @@ class EngineHashes(dict[BlockHash, Any]):
                 else:
                     st.unknown_removed += 1
                     continue
-            ds = self._release(eh, found, bit) if type(found) is tuple and held else found \
-                if type(found) is tuple else (found,)
+            every = found if type(found) is tuple else (found,)
+            # spanning blocks in a local tier: clear only what no other engine block holds
+            ds = self._release(eh, found, bit) if held and type(found) is tuple else every
             gone += clear_bits(ds, bit)
-            if held and found is not eh and not any(shards[d & SHARD_MASK].get(d, 0) & held for d in ds):
+            if held and found is not eh and not any(shards[d & SHARD_MASK].get(d, 0) & held for d in every):
                 del self[eh]
             st.removed += 1
         return gone

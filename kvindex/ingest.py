@@ -129,6 +129,7 @@ class WorkerSubscriber:
         self._tail_probe_s = tail_probe_s
         self._probe_requested = False
         self._last_frame_at = clock()
+        self.joined = True  # False until the join replay of `start(join=True)` is done
         self._task: asyncio.Task[None] | None = None
         self._closed = False
         sock = ctx.socket(zmq.SUB)
@@ -151,16 +152,19 @@ class WorkerSubscriber:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def start(self, *, clear: bool = True) -> None:
+    def start(self, *, clear: bool = True, join: bool = False) -> None:
         """Run the receive loop on the running event loop.
 
         With `clear`, first drops whatever the index holds for this worker: entries
-        that no subscriber can vouch for (e.g. left by an earlier subscription).
+        that no subscriber can vouch for (e.g. left by an earlier subscription). With
+        `join`, first asks the replay socket for everything it still holds, so a worker
+        that stays quiet is known at once (a gateway restarted next to a warm vLLM).
         """
         if self._task is not None:
             return
         if clear and self.index.has_worker(self.worker_id):
             self.index.clear_worker(self.worker_id)
+        self.joined = not (join and self._replay_endpoint is not None)
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"kv-ingest:{self.worker_id}")
 
     async def close(self) -> None:
@@ -196,6 +200,11 @@ class WorkerSubscriber:
 
     async def _run(self) -> None:
         sub = self._sub
+        if not self.joined:
+            try:
+                await self._catch_up(0, 0)
+            finally:
+                self.joined = True
         while not self._closed:
             try:
                 if not await sub.poll(250):  # idle: maybe probe the tail, then wait again
@@ -463,8 +472,10 @@ class IngestManager:
         remote_group: str | None = None,
         trusted_digests: bool = False,
         verify_every: int = DEFAULT_VERIFY_EVERY,
+        join: bool = False,
     ) -> WorkerSubscriber:
-        """Subscribe to a worker's events; call from inside the running loop.
+        """Subscribe to a worker's events; call from inside the running loop. With `join`,
+        the replay socket is asked at once for what it holds (`WorkerSubscriber.start`).
 
         Registers the worker in the index first unless it is registered already
         (then `ns_digest` may be omitted, and the registration's own
@@ -500,7 +511,7 @@ class IngestManager:
                 self.index.remove_worker(worker_id)
             raise
         self._subs[worker_id] = sub
-        sub.start(clear=not registered)
+        sub.start(clear=not registered, join=join)
         return sub
 
     async def remove_worker(self, worker_id: str, *, forget: bool = True) -> None:

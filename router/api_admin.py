@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 from pydantic import ValidationError
 
+from .admin_policy import check_new_worker
 from .config import WorkerConfig, format_validation_error
 from .errors import ApiError, bad_request, not_found
 from .gateway import Gateway
@@ -29,11 +30,12 @@ def _summary(gw: Gateway, w: Any) -> dict[str, Any]:
     return d
 
 
-def add_worker(gw: Gateway, body: bytes) -> dict[str, Any]:
+async def add_worker(gw: Gateway, body: bytes) -> dict[str, Any]:
     try:
         wc = WorkerConfig.model_validate_json(body)
     except ValidationError as e:
         raise bad_request(f"Invalid worker: {format_validation_error(e)}") from None
+    await check_new_worker(wc, gw.cfg.admin)
     assert gw.pool is not None
     if wc.model is None:
         if len(gw.models.by_id) != 1:

@@ -18,7 +18,7 @@ import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
 from .asgi import AsgiOut, ClientGone, Receive, Scope, Send, headers_of, read_body, watch_disconnect
-from .errors import ApiError, bad_request, internal, model_not_found, unavailable
+from .errors import ApiError, bad_request, internal, model_not_found, rate_limited, unavailable
 from .gateway import Gateway
 from .model import ModelRuntime
 from .responses import SSE_DONE, sse_error
@@ -55,13 +55,41 @@ class CompletionRoute:
             await _end_with_error(out, rid)
 
     async def _handle(self, scope: Scope, receive: Receive, out: AsgiOut) -> None:
+        """Admission before any work: the tenant, its concurrency slot and a share of the
+        body budget are taken before the body is read or anything tokenized."""
         gw = self.gw
         headers = headers_of(scope)
         try:
             tenant = gw.tenancy.authenticate(headers)
+            gw.tenancy.acquire(tenant)
         except ApiError as e:  # refused before its body was read: the connection cannot be reused
             e.headers.setdefault("connection", "close")
             raise
+        try:
+            size = self._reserve(headers)
+            try:
+                await self._with_body(scope, receive, out, headers, tenant)
+            finally:
+                gw.body_budget.give(size)
+        finally:
+            gw.tenancy.release(tenant)
+
+    def _reserve(self, headers: dict[str, str]) -> int:
+        """Reserve the body's declared size (the limit when undeclared) in the gateway's budget."""
+        gw = self.gw
+        limit = gw.cfg.limits.max_body_bytes
+        declared = headers.get("content-length")
+        size = int(declared) if declared is not None and declared.isdigit() and int(declared) <= limit else limit
+        if not gw.body_budget.try_take(size):
+            gw.metrics.child(gw.metrics.shed, "body_budget").inc()
+            e = rate_limited("The gateway is busy with other large requests; retry shortly.", 1.0, "gateway_busy")
+            e.headers["connection"] = "close"  # the body stays unread
+            raise e
+        return size
+
+    async def _with_body(self, scope: Scope, receive: Receive, out: AsgiOut, headers: dict[str, str],
+                         tenant: Any) -> None:
+        gw = self.gw
         body = await read_body(receive, gw.cfg.limits.max_body_bytes, headers.get("content-length"))
         # Completions may run for minutes: from now on, watch for the client leaving.
         me = asyncio.current_task()
@@ -151,17 +179,22 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int] = Field(min_length=0)
 
 
-async def tokenize(gw: Gateway, req: TokenizeRequest) -> dict[str, Any]:
-    """The ids the gateway keys with, in vLLM's /tokenize shape."""
+async def tokenize(gw: Gateway, req: TokenizeRequest, scope: str) -> dict[str, Any]:
+    """The ids the gateway keys with, in vLLM's /tokenize shape (`scope`: the tenant's cache)."""
     rt = model_of(gw, req.model)
     tok = rt.tokenizer
+    tz = gw.tokenization
     try:
         if req.messages is not None:
-            text = tok.render_chat(req.messages, add_generation_prompt=req.add_generation_prompt)
-            ids = await gw.tokenization.encode_text(tok, text, bool(req.add_special_tokens))
+            extra = {"add_generation_prompt": req.add_generation_prompt}
+            if req.add_special_tokens:
+                text = tok.render_chat(req.messages, **extra)
+                ids = await tz.encode_text(tok, text, True, scope)
+            else:
+                ids = await tz.encode_chat(tok, req.messages, extra, scope)
         elif req.prompt is not None:
             specials = True if req.add_special_tokens is None else req.add_special_tokens
-            ids = await gw.tokenization.encode_text(tok, req.prompt, specials)
+            ids = await tz.encode_text(tok, req.prompt, specials, scope)
         else:
             raise bad_request("Either `prompt` or `messages` is required.", "prompt")
     except TokenizerError as e:

@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
 from . import api_admin, api_openai
+from .admin_policy import open_admin_allowed
 from .api_openai import CompletionRoute, DetokenizeRequest, TokenizeRequest
 from .asgi import Receive, Scope, Send, read_body
 from .errors import ApiError, bad_request, internal, not_found
@@ -130,6 +131,13 @@ def _errors(app: FastAPI, gw: Gateway) -> None:
         return api_error(internal(rid), rid)
 
 
+def _bearer_is(request: Request, token: str) -> bool:
+    import hmac
+
+    got = request.headers.get("authorization", "")
+    return got.startswith("Bearer ") and hmac.compare_digest(got[7:].strip().encode(), token.encode())
+
+
 async def _body(request: Request, limit: int) -> bytes:
     return await read_body(request.receive, limit, request.headers.get("content-length"))
 
@@ -165,8 +173,8 @@ def _openai_routes(app: GatewayAPI, gw: Gateway) -> None:
 
     @app.post("/tokenize", tags=["openai"])
     async def tokenize(body: TokenizeRequest, request: Request) -> Response:
-        gw.tenancy.authenticate(request.headers)
-        return json(await api_openai.tokenize(gw, body))
+        tenant = gw.tenancy.authenticate(request.headers)
+        return json(await api_openai.tokenize(gw, body, tenant.id))
 
     @app.post("/detokenize", tags=["openai"])
     async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
@@ -190,15 +198,21 @@ def _ops_routes(app: FastAPI, gw: Gateway) -> None:
         ok, detail = gw.ready()
         return json({"ready": ok, **detail}, 200 if ok else 503)
 
+    metrics_token = gw.cfg.observability.metrics_token
+
     @app.get("/metrics", tags=["operations"])
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        if metrics_token is not None and not _bearer_is(request, metrics_token):
+            return api_error(ApiError(401, "GET /metrics needs the metrics token.", "authentication_error", None,
+                                      "invalid_metrics_token"))
         return Response(gw.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 def _admin_routes(app: FastAPI, gw: Gateway) -> None:
     def admin(request: Request) -> dict[str, str]:
         h = {k.lower(): v for k, v in request.headers.items()}
-        gw.tenancy.check_admin(h)
+        client = request.client.host if request.client is not None else None
+        gw.tenancy.check_admin(h, open_admin_allowed(gw.cfg.listen.host, client))
         return h
 
     @app.get("/admin/workers", tags=["admin"])
@@ -209,7 +223,7 @@ def _admin_routes(app: FastAPI, gw: Gateway) -> None:
     @app.post("/admin/workers", tags=["admin"], status_code=201, summary="Add a worker (a `workers[]` config entry)")
     async def add_worker(request: Request) -> Response:
         admin(request)
-        return json(api_admin.add_worker(gw, await _body(request, _ADMIN_BODY_LIMIT)), 201)
+        return json(await api_admin.add_worker(gw, await _body(request, _ADMIN_BODY_LIMIT)), 201)
 
     @app.delete("/admin/workers/{worker_id}", tags=["admin"])
     async def remove_worker(worker_id: str, request: Request) -> Response:

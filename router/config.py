@@ -149,8 +149,20 @@ class WorkerConfig(_Strict):
     @field_validator("url")
     @classmethod
     def _url(cls, v: str) -> str:
-        if not re.match(r"^https?://[^/\s]+", v):
+        """A plain origin: the gateway appends the worker API's paths itself."""
+        from urllib.parse import urlsplit
+
+        u = urlsplit(v)
+        if u.scheme not in ("http", "https") or not u.hostname:
             raise ValueError("must be an http(s) URL like http://127.0.0.1:9000")
+        if u.username is not None or u.password is not None:
+            raise ValueError("must not carry credentials")
+        if u.path not in ("", "/") or u.query or u.fragment:
+            raise ValueError("must be a bare origin (no path, query or fragment), like http://127.0.0.1:9000")
+        try:
+            u.port  # noqa: B018 - raises ValueError on a bad port
+        except ValueError:
+            raise ValueError("has an invalid port") from None
         return v.rstrip("/")
 
 
@@ -205,6 +217,8 @@ class LimitsConfig(_Strict):
     tenant_max_concurrency: int = Field(default=1024, gt=0)
     worker_max_inflight: int | None = Field(default=None, gt=0)
     max_stop_sequences: int = Field(default=4, ge=0)
+    # Request bodies in flight at once, all requests together (router/budget.py): bounds memory.
+    max_inflight_body_bytes: int = Field(default=256 * 1024 * 1024, gt=0)
 
 
 class TraceConfig(_Strict):
@@ -220,6 +234,35 @@ class ObservabilityConfig(_Strict):
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     access_log: bool = False
     trace: TraceConfig = Field(default_factory=TraceConfig)
+    # When set, GET /metrics needs `Authorization: Bearer <token>` (tenants cannot read it).
+    metrics_token: str | None = None
+
+
+class AdminConfig(_Strict):
+    """What the admin API may do. Without `admin_token` it answers only clients on this
+    host, and only while the gateway itself listens on loopback (the embedded default).
+
+    A worker added through it is fetched every second, so its URL must be a plain
+    http(s) origin on an allowed network (no credentials, path or query; host names are
+    resolved and every address checked): the gateway is not a proxy to anywhere.
+    Event endpoints from it are `tcp://` and connected to, never bound, unless allowed."""
+
+    worker_networks: list[str] = Field(default_factory=lambda: [
+        "127.0.0.0/8", "::1/128", "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "fc00::/7"])
+    allow_event_bind: bool = False
+    allow_ipc_events: bool = False
+
+    @field_validator("worker_networks")
+    @classmethod
+    def _networks(cls, v: list[str]) -> list[str]:
+        import ipaddress
+
+        for n in v:
+            try:
+                ipaddress.ip_network(n, strict=False)
+            except ValueError:
+                raise ValueError(f"not a network: {n!r} (CIDR, e.g. 10.0.0.0/8)") from None
+        return v
 
 
 class PoolConfig(_Strict):
@@ -247,6 +290,8 @@ class PoolConfig(_Strict):
     request_timeout_s: float = Field(default=600.0, gt=0)  # a whole request
     probe_timeout_s: float = Field(default=2.0, gt=0)
     max_connections: int = Field(default=1024, gt=0)
+    # /ready waits for each registered worker's cache to be in the index, at most this long
+    index_ready_timeout_s: float = Field(default=10.0, ge=0)
 
     def first_byte_s(self, predicted_ttft_s: float | None) -> float:
         if predicted_ttft_s is None:
@@ -262,6 +307,7 @@ class ListenConfig(_Strict):
 class Config(_Strict):
     listen: ListenConfig = Field(default_factory=ListenConfig)
     admin_token: str | None = None
+    admin: AdminConfig = Field(default_factory=AdminConfig)
     models: list[ModelConfig] = Field(min_length=1)
     workers: list[WorkerConfig] = Field(default_factory=list)
     routing: RoutingConfig = Field(default_factory=RoutingConfig)

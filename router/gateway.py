@@ -23,7 +23,9 @@ import aiohttp
 from prometheus_client.core import GaugeMetricFamily
 
 from . import admin
+from .admin_policy import LOOPBACK_HOSTS
 from .attempt import Attempt, Out
+from .budget import ByteBudget
 from .config import Config
 from .errors import rate_limited, unavailable, upstream_failed
 from .fidelity import KeyFidelity
@@ -62,6 +64,7 @@ class Gateway:
         self.policy_name = cfg.routing.policy
         self.tokenization = Tokenization()
         self.preparer = Preparer(cfg.limits, self.models, self.tenancy, self.tokenization, self.metrics)
+        self.body_budget = ByteBudget(cfg.limits.max_inflight_body_bytes)
         tr = cfg.observability.trace
         self.recorder = TraceRecorder(tr.path, tr.salt, tr.block_tokens, tr.max_ids) if tr.enabled else None
         self.session: aiohttp.ClientSession | None = None
@@ -81,9 +84,9 @@ class Gateway:
 
     async def start(self) -> None:
         cfg = self.cfg
-        if not cfg.admin_token and not self.tenancy.auth_enabled:
-            log.warning("no admin_token and no tenants: the admin API is open to anyone who can reach %s:%d",
-                        cfg.listen.host, cfg.listen.port)
+        if not cfg.admin_token:
+            where = "local clients only" if cfg.listen.host in LOOPBACK_HOSTS else "disabled"
+            log.warning("no admin_token: the admin API is %s (listening on %s)", where, cfg.listen.host)
         conn = aiohttp.TCPConnector(
             limit=cfg.pool.max_connections, limit_per_host=0, keepalive_timeout=30.0, enable_cleanup_closed=True
         )
@@ -139,9 +142,14 @@ class Gateway:
         return t
 
     def ready(self) -> tuple[bool, dict[str, Any]]:
-        assert self.pool is not None
-        per_model = {m: len(self.pool.routable(m)) for m in self.models.by_id}
-        return all(per_model.values()), {"healthy_workers": per_model, "tokenizers_loaded": True}
+        """Ready: every model has a healthy worker, and every healthy worker's cache is in
+        the index (a restarted gateway routes by cache from its first request)."""
+        pool = self.pool
+        assert pool is not None
+        per_model = {m: len(pool.routable(m)) for m in self.models.by_id}
+        indexing = sorted(w.id for m in self.models.by_id for w in pool.healthy(m) if not pool.indexed(w))
+        ok = all(per_model.values()) and not indexing
+        return ok, {"healthy_workers": per_model, "indexing_workers": indexing, "tokenizers_loaded": True}
 
     # ------------------------------------------------------------------ prepare, decide
 
@@ -219,12 +227,11 @@ class Gateway:
     # ------------------------------------------------------------------ dispatch
 
     async def complete(self, prep: Prepared, out: Out) -> int:
-        """Route and relay one prepared request; returns the HTTP status sent."""
-        self.tenancy.acquire(prep.tenant)
+        """Route and relay one prepared request; returns the HTTP status sent. The caller
+        holds the tenant's concurrency slot (taken before any work on the request)."""
         try:
             return await self._dispatch(prep, out)
         finally:
-            self.tenancy.release(prep.tenant)
             self.tenancy.remember_salt(prep.tenant, prep.cache_salt)
 
     def _shed(self, d: Decision) -> Exception:

@@ -86,7 +86,20 @@ class PoolIngest:
             block_size=w.block_size,
             remote_group=w.remote_group,
             trusted_digests=w.trusted_digests,
+            join=not w.trusted_digests,  # vLLM: its replay buffer at once; ours republish on request
         )
+
+    def indexed(self, w: Worker, target_seq: int | None) -> bool:
+        """The worker's events are in the index: the join replay is done and, when
+        `target_seq` is given, the batch with that sequence number has been applied."""
+        m = self._managers.get(id(w.model.index))
+        sub = m.subscriber(w.id) if m is not None else None
+        if sub is None:
+            return w.id not in self._pending  # not subscribed (no events): nothing to wait for
+        if not sub.joined:
+            return False
+        last = sub.health.last_seq
+        return target_seq is None or (last is not None and last >= target_seq)
 
     async def _add_after(self, pending: asyncio.Task[None], w: Worker) -> None:
         try:

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable
 from typing import Protocol
 
 import aiohttp
+import msgspec
 
 from kvindex.index import IndexError_
 
@@ -48,6 +49,8 @@ class IngestLike(Protocol):
     def remove_worker(self, worker: Worker) -> None: ...
 
     def probe(self, worker: Worker) -> None: ...
+
+    def indexed(self, worker: Worker, target_seq: int | None) -> bool: ...
 
 
 class WorkerPool:
@@ -338,8 +341,37 @@ class WorkerPool:
             return False
         w.fails = 0
         await self._poll_load(w)
+        w.index_target = await self._republish(w)
+        w.registered_at = time.monotonic()
         self._set_state(w, State.HEALTHY, "")
         return True
+
+    async def _republish(self, w: Worker) -> int | None:
+        """Ask our worker to publish everything it holds, so the index knows its cache now
+        rather than when it next happens to store a block (a gateway restarted next to a
+        warm fleet); returns the sequence number to wait for, None when there is none."""
+        if w.kind != "kvroute" or w.events is None or self.ingest is None:
+            return None
+        try:
+            async with self.session.post(w.url + "/kv/republish", timeout=self.probe.timeout) as r:
+                body = await r.read()
+                if r.status != 200:
+                    log.info("worker %s cannot republish its blocks (HTTP %d): its index fills as it works",
+                             w.id, r.status)
+                    return None
+            seq = msgspec.json.decode(body).get("seq")
+            return seq if isinstance(seq, int) and seq >= 0 else None
+        except (aiohttp.ClientError, TimeoutError, OSError, msgspec.DecodeError, AttributeError) as e:
+            log.info("worker %s: republish failed (%s): its index fills as it works", w.id, e)
+            return None
+
+    def indexed(self, w: Worker) -> bool:
+        """The worker's cache is known to the index (or it is past waiting for it)."""
+        if self.ingest is None or w.events is None:
+            return True
+        if time.monotonic() - w.registered_at > self.cfg.index_ready_timeout_s:
+            return True
+        return self.ingest.indexed(w, w.index_target)
 
     async def _check_identity(self, w: Worker) -> bool:
         """The worker must serve the configured model (its `/v1/models`): a worker started on

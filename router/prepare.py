@@ -81,7 +81,8 @@ class Preparer:
         if tenant is None:
             tenant = self.tenancy.authenticate(headers)
         raw, req, model, prompt = self._decode(chat, body)
-        ids = await self._tokenize(chat, model, prompt, req)
+        self._check_chars(chat, model, prompt)
+        ids = await self._tokenize(chat, model, prompt, req, tenant.id)
         n = len(ids)
         mt = self._check_lengths(chat, req, model, n)
         tk = time.perf_counter()
@@ -113,8 +114,28 @@ class Preparer:
             raise model_not_found(req.model)
         return raw, req, model, check_completion(req, model.tokenizer.vocab_size)
 
+    def _check_chars(self, chat: bool, model: ModelRuntime, prompt: Any) -> None:
+        """Refuse, unread, a prompt whose characters alone prove it longer than the limit: no
+        token spans more than `max_token_chars` characters, so this costs no tokenization."""
+        if chat:
+            chars = sum(len(m["content"]) for m in prompt)
+        elif isinstance(prompt, str):
+            chars = len(prompt)
+        else:
+            return  # token ids: counted exactly, for free
+        limit = self._max_prompt(model)
+        if chars > limit * model.tokenizer.max_token_chars:
+            raise bad_request(
+                f"The prompt has {chars} characters, more than {limit - 1} tokens can hold; this model's "
+                f"prompts are limited to {limit - 1} tokens.", "messages" if chat else "prompt",
+                "context_length_exceeded")
+
+    def _max_prompt(self, model: ModelRuntime) -> int:
+        ctx = model.max_context
+        return min(self.limits.max_prompt_tokens or ctx, ctx)
+
     async def _tokenize(
-        self, chat: bool, model: ModelRuntime, prompt: Any, req: ChatRequest | CompletionRequest
+        self, chat: bool, model: ModelRuntime, prompt: Any, req: ChatRequest | CompletionRequest, scope: str
     ) -> array[int]:
         tok = model.tokenizer
         tt = time.perf_counter()
@@ -122,9 +143,9 @@ class Preparer:
             if chat:
                 # Tools enter the rendering as the worker's template will render them.
                 extra = {"tools": req.tools} if isinstance(req, ChatRequest) and req.tools else {}
-                ids = await self.tokenization.encode_text(tok, tok.render_chat(prompt, **extra), False)
+                ids = await self.tokenization.encode_chat(tok, prompt, extra, scope)
             elif isinstance(prompt, str):
-                ids = await self.tokenization.encode_text(tok, prompt, True)
+                ids = await self.tokenization.encode_text(tok, prompt, True, scope)
             else:
                 ids = prompt
         except TokenizerError as e:
@@ -136,7 +157,7 @@ class Preparer:
         """The request's max_tokens, after checking prompt and completion fit the context."""
         lim = self.limits
         ctx = model.max_context
-        max_prompt = min(lim.max_prompt_tokens or ctx, ctx)
+        max_prompt = self._max_prompt(model)
         if n == 0:
             raise bad_request("The prompt is empty after tokenization.", "prompt")
         if n >= max_prompt:

@@ -67,12 +67,13 @@ class Tenancy:
             raise unauthorized()
         return t
 
-    def check_admin(self, headers: Mapping[str, str]) -> None:
-        """Admin endpoints need the admin token; without one configured they are open only
-        while client auth is off too (a local, single-user setup)."""
+    def check_admin(self, headers: Mapping[str, str], local: bool = False) -> None:
+        """Admin endpoints need the admin token. Without one configured they answer only a
+        local client of a gateway listening locally (`local`, router/admin_policy.py)."""
         if self._admin is None:
-            if self.auth_enabled:
-                raise forbidden("Admin API disabled: set `admin_token` in the config.")
+            if not local:
+                raise forbidden("Admin API disabled: set `admin_token` in the config "
+                                "(without one it answers only local clients of a gateway listening on loopback).")
             return
         tok = headers.get("x-admin-token") or _bearer(headers)
         if tok is None or not hmac.compare_digest(tok.encode(), self._admin):

@@ -9,8 +9,10 @@ worker thread (`encode_batch` releases the GIL). Details: docs/gateway.md.
 """
 from __future__ import annotations
 
+import asyncio
 import re
 import sys
+import threading
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -32,29 +34,35 @@ class CacheStats:
     evictions: int = 0
 
 
+CacheKey = tuple[str, str]  # (scope, segment): one tenant never hits another's text
+
+
 class SegmentCache:
-    """Bounded LRU: text segment → token ids. Bounded by entries and by total tokens."""
+    """Bounded LRU: (scope, text segment) → token ids. Bounded by entries and by total tokens.
+
+    Keyed per tenant scope: a shared cache would let one tenant learn, from timing or
+    the hit counters, whether another sent a given text."""
 
     __slots__ = ("_d", "max_entries", "max_tokens", "tokens", "stats")
 
     def __init__(self, max_entries: int = 65536, max_tokens: int = 8_000_000) -> None:
-        self._d: OrderedDict[str, array[int]] = OrderedDict()
+        self._d: OrderedDict[CacheKey, array[int]] = OrderedDict()
         self.max_entries = max_entries
         self.max_tokens = max_tokens
         self.tokens = 0
         self.stats = CacheStats()
 
-    def get(self, seg: str) -> array[int] | None:
-        ids = self._d.get(seg)
+    def get(self, key: CacheKey) -> array[int] | None:
+        ids = self._d.get(key)
         if ids is not None:
-            self._d.move_to_end(seg)
+            self._d.move_to_end(key)
         return ids
 
-    def put(self, seg: str, ids: array[int]) -> None:
+    def put(self, key: CacheKey, ids: array[int]) -> None:
         n = len(ids)
-        if n > self.max_tokens // 4 or seg in self._d:
+        if n > self.max_tokens // 4 or key in self._d:
             return
-        self._d[seg] = ids
+        self._d[key] = ids
         self.tokens += n
         while len(self._d) > self.max_entries or self.tokens > self.max_tokens:
             _, old = self._d.popitem(last=False)
@@ -70,8 +78,8 @@ def _ids(seq: Sequence[int]) -> array[int]:
 
 
 class Tokenizer:
-    """One model's tokenizer + chat template + prefix cache. Not thread-safe for `put`:
-    the cache is touched on the event loop only; worker threads only run `encode_batch`."""
+    """One model's tokenizer + chat template + prefix cache. The cache is guarded by a
+    lock: short inputs are tokenized on the event loop, long ones wholly in a thread."""
 
     def __init__(
         self,
@@ -85,6 +93,7 @@ class Tokenizer:
         self.hf = _load(self.folder)
         self.backend = self.hf.backend_tokenizer  # the Rust tokenizers.Tokenizer
         self.cache = SegmentCache(cache_entries, cache_tokens)
+        self._lock = threading.Lock()
         self.thread_min_chars = thread_min_chars
         self.vocab_size = len(self.hf)
         self.chat_template: str | None = getattr(self.hf, "chat_template", None)
@@ -96,6 +105,10 @@ class Tokenizer:
         pattern = "|".join(re.escape(s) for s in sorted(self._split_ids, key=len, reverse=True))
         self._split = re.compile(f"({pattern})") if pattern else None
         self._pp_prefix, self._pp_suffix, self._pp_exact = self._learn_post_processor()
+        # No token spans more characters than its string in the vocabulary (byte-level and
+        # sentencepiece pieces are at least as long as what they decode to), so a text of
+        # more than `n * max_token_chars` characters has more than n tokens: refused unread.
+        self.max_token_chars = max((len(t) for t in self.backend.get_vocab(with_added_tokens=True)), default=1)
 
     # ------------------------------------------------------------------ helpers
 
@@ -140,21 +153,24 @@ class Tokenizer:
 
     # ------------------------------------------------------------------ encode
 
-    def plan(self, text: str) -> tuple[list[array[int] | str], list[str]]:
-        """Split `text`, serve what the cache holds; returns (parts, segments still to encode).
+    def plan(self, text: str, scope: str = "") -> tuple[list[array[int] | str], list[str]]:
+        """Split `text`, serve what `scope`'s cache holds; returns (parts, segments still to
+        encode). Each part is either cached ids or the segment text awaiting `finish`."""
+        segments = self.segments(text)
+        with self._lock:
+            return self._plan(segments, scope)
 
-        Each part is either cached ids or the segment text awaiting `finish`.
-        """
+    def _plan(self, segments: list[str], scope: str) -> tuple[list[array[int] | str], list[str]]:
         parts: list[array[int] | str] = []
         todo: list[str] = []
         get = self.cache.get
         split_ids = self._split_ids
         st = self.cache.stats
-        for seg in self.segments(text):
+        for seg in segments:
             if seg in split_ids:
                 parts.append(self._special_ids[seg])
                 continue
-            ids = get(seg)
+            ids = get((scope, seg))
             if ids is None:
                 parts.append(seg)
                 todo.append(seg)
@@ -171,15 +187,17 @@ class Tokenizer:
         return [_ids(e.ids) for e in encs]
 
     def finish(
-        self, parts: list[array[int] | str], todo: list[str], encoded: list[array[int]], specials: bool
+        self, parts: list[array[int] | str], todo: list[str], encoded: list[array[int]], specials: bool,
+        scope: str = "",
     ) -> array[int]:
-        """Assemble the ids, caching the newly encoded segments (event-loop side)."""
-        new = dict(zip(todo, encoded, strict=False))
-        put = self.cache.put
-        st = self.cache.stats
-        for seg, ids in new.items():
-            put(seg, ids)
-            st.miss_tokens += len(ids)
+        """Assemble the ids, caching the newly encoded segments under `scope`."""
+        new = dict(zip(todo, encoded, strict=True))
+        with self._lock:
+            put = self.cache.put
+            st = self.cache.stats
+            for seg, ids in new.items():
+                put((scope, seg), ids)
+                st.miss_tokens += len(ids)
         out = array("I", self._pp_prefix) if specials else array("I")
         for p in parts:
             out.extend(new[p] if isinstance(p, str) else p)
@@ -190,13 +208,13 @@ class Tokenizer:
     def needs_thread(self, todo: list[str]) -> bool:
         return sum(map(len, todo)) >= self.thread_min_chars
 
-    def encode_text(self, text: str, add_special_tokens: bool) -> array[int]:
-        """Synchronous cached encode (the thread decision is the caller's; see `Tokenization`)."""
+    def encode_text(self, text: str, add_special_tokens: bool, scope: str = "") -> array[int]:
+        """Synchronous cached encode (where it runs is the caller's call; see `Tokenization`)."""
         if add_special_tokens and not self._pp_exact:
             return _ids(self.backend.encode(text, add_special_tokens=True).ids)
-        parts, todo = self.plan(text)
+        parts, todo = self.plan(text, scope)
         encoded = self.encode_segments(todo) if todo else []
-        return self.finish(parts, todo, encoded, add_special_tokens)
+        return self.finish(parts, todo, encoded, add_special_tokens, scope)
 
     def encode_uncached(self, text: str, add_special_tokens: bool) -> list[int]:
         """The reference: the whole text through the tokenizer at once (tests, explain)."""
@@ -228,41 +246,63 @@ def _load(folder: Path) -> Any:
 
 
 class Tokenization:
-    """Runs cached encodes for the event loop, sending long uncached text to a thread.
+    """Runs tokenizations for the event loop without ever blocking it for long.
 
-    Measured on a 2-core machine: encoding costs ~0.9–1.7 µs
-    per token inline and the thread handoff ~0.2 ms. From ~4k characters of uncached
-    text (~1.5k tokens, 1.5–2.5 ms of encode) blocking the loop would delay every other
-    request by more than the handoff costs this one, so that is the threshold; cached
-    segments never go to the thread.
+    Measured on a 2-core machine: encoding costs ~0.9–1.7 µs per token inline and the
+    thread handoff ~0.2 ms. So text is split and looked up in the cache on the loop (a
+    resent conversation is mostly hits, and stays off the pool), and only its uncached
+    segments go to a thread from ~4k characters (`Tokenizer.thread_min_chars`); text
+    over `inline_max_chars` (a flood of special tokens splits into that many segments)
+    goes to the pool whole, chat rendering included. A tenant holds at most
+    `per_tenant` of the pool's threads at a time: one tenant's huge prompts cannot
+    starve the others.
     """
 
-    def __init__(self, max_threads: int = 2) -> None:
+    def __init__(self, max_threads: int = 2, per_tenant: int | None = None, inline_max_chars: int = 65_536) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
         self._pool = ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="tokenize")
+        self.per_tenant = per_tenant or max(1, max_threads - 1)
+        self.inline_max_chars = inline_max_chars
+        self._slots: dict[str, asyncio.Semaphore] = {}
         self.threaded = 0
 
-    async def encode_text(self, tok: Tokenizer, text: str, add_special_tokens: bool) -> array[int]:
-        import asyncio
-
+    async def encode_text(self, tok: Tokenizer, text: str, add_special_tokens: bool, scope: str = "") -> array[int]:
+        if len(text) > self.inline_max_chars:
+            ids: array[int] = await self._threaded(scope, tok.encode_text, text, add_special_tokens, scope)
+            return ids
         if add_special_tokens and not tok.exact_specials:
-            if len(text) >= tok.thread_min_chars:
-                self.threaded += 1
-                ids = await asyncio.get_running_loop().run_in_executor(
-                    self._pool, lambda: tok.backend.encode_batch([text], add_special_tokens=True)[0].ids
-                )
-                return _ids(ids)
-            return tok.encode_text(text, True)
-        parts, todo = tok.plan(text)
+            if len(text) < tok.thread_min_chars:
+                return tok.encode_text(text, True, scope)
+            ids = await self._threaded(scope, tok.encode_text, text, True, scope)
+            return ids
+        parts, todo = tok.plan(text, scope)
         if not todo:
             encoded: list[array[int]] = []
         elif tok.needs_thread(todo):
-            self.threaded += 1
-            encoded = await asyncio.get_running_loop().run_in_executor(self._pool, tok.encode_segments, todo)
+            encoded = await self._threaded(scope, tok.encode_segments, todo)
         else:
             encoded = tok.encode_segments(todo)
-        return tok.finish(parts, todo, encoded, add_special_tokens)
+        return tok.finish(parts, todo, encoded, add_special_tokens, scope)
+
+    async def encode_chat(self, tok: Tokenizer, messages: list[dict[str, Any]], extra: dict[str, Any],
+                          scope: str = "") -> array[int]:
+        """Render with the chat template and encode; rendering too goes off the loop for
+        messages over `inline_max_chars`."""
+        chars = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
+        if chars > self.inline_max_chars:
+            ids: array[int] = await self._threaded(
+                scope, lambda: tok.encode_text(tok.render_chat(messages, **extra), False, scope))
+            return ids
+        return await self.encode_text(tok, tok.render_chat(messages, **extra), False, scope)
+
+    async def _threaded(self, scope: str, fn: Any, *args: Any) -> Any:
+        sem = self._slots.get(scope)
+        if sem is None:
+            sem = self._slots[scope] = asyncio.Semaphore(self.per_tenant)
+        async with sem:  # one per tenant scope: configured tenants, a bounded set
+            self.threaded += 1
+            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

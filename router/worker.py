@@ -55,6 +55,8 @@ class Worker:
     served_model: str = ""  # the name the worker serves the model under (its /v1/models), sent upstream
     breaker: Breaker = field(default_factory=lambda: Breaker(5, 1.0, 30.0))
     failing_since: float = 0.0  # when the current run of failed health probes began
+    index_target: int | None = None  # the event sequence that carries its republished state
+    registered_at: float = 0.0
     last_refused: bool = False  # the last probe found nothing listening
     completions_url: URL | None = None  # parsed once: aiohttp re-parses a str URL per request
 

@@ -151,3 +151,90 @@ async def test_error_texts_name_no_worker() -> None:
             await client(url).completions.create(model=MODEL, prompt="hi", max_tokens=1)
         text = str(ei.value.body)
         assert "worker-secret-7" not in text and "127.0.0.1" not in text and "retry failed" not in text
+
+
+# --------------------------------------------------------------------------- tenants and admission
+
+TENANTS = [{"id": "a", "api_keys": ["sk-tenant-a-0001"]}, {"id": "b", "api_keys": ["sk-tenant-b-0002"]}]
+
+
+async def test_one_tenants_text_never_hits_anothers_tokenization_cache() -> None:
+    cfg = _cfg(tenants=TENANTS, admin_token="admin-token-0001")
+    async with fleet([FakeWorker("w", DIGEST)], cfg) as (gw, url):
+        tok = gw.models.get(MODEL).tokenizer
+        secret = "the launch code is " + "seven " * 40
+        await client(url, "sk-tenant-a-0001").completions.create(model=MODEL, prompt=secret, max_tokens=1)
+        hits = tok.cache.stats.hit_tokens
+        await client(url, "sk-tenant-b-0002").completions.create(model=MODEL, prompt=secret, max_tokens=1)
+        assert tok.cache.stats.hit_tokens == hits  # tenant B gets no hit on tenant A's text
+        await client(url, "sk-tenant-a-0001").completions.create(model=MODEL, prompt=secret, max_tokens=1)
+        assert tok.cache.stats.hit_tokens > hits  # tenant A does
+
+
+async def test_metrics_can_require_a_token() -> None:
+    cfg = _cfg(observability={"metrics_token": "metrics-secret-1"})
+    async with fleet([FakeWorker("w", DIGEST)], cfg) as (_, url):
+        async with aiohttp.ClientSession() as s:
+            async with s.get(url + "/metrics") as r:
+                assert r.status == 401 and (await r.json())["error"]["code"] == "invalid_metrics_token"
+            async with s.get(url + "/metrics", headers={"authorization": "Bearer metrics-secret-1"}) as r:
+                assert r.status == 200 and "kvroute_requests" in await r.text()
+
+
+async def test_an_open_admin_api_answers_local_clients_of_a_local_gateway_only() -> None:
+    import httpx
+
+    from router.app import GatewayAPI
+
+    async with fleet([FakeWorker("w", DIGEST)]) as (gw, _):
+        app = GatewayAPI(gw, manage_lifespan=False)
+        for client_host, status in (("127.0.0.1", 200), ("10.1.2.3", 403)):
+            transport = httpx.ASGITransport(app=app, client=(client_host, 5555))
+            async with httpx.AsyncClient(transport=transport, base_url="http://gw") as c:
+                assert (await c.get("/admin/workers")).status_code == status
+        gw.cfg.listen.host = "0.0.0.0"  # a gateway reachable from elsewhere: no open admin API at all
+        transport = httpx.ASGITransport(app=app, client=("127.0.0.1", 5555))
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as c:
+            assert (await c.get("/admin/workers")).status_code == 403
+
+
+@pytest.mark.parametrize("worker,status,where", [
+    ({"url": "http://user:pw@127.0.0.1:9"}, 400, "credentials"),
+    ({"url": "http://127.0.0.1:9/steal?x=1"}, 400, "bare origin"),
+    ({"url": "file:///etc/passwd"}, 400, "http(s)"),
+    ({"url": "http://169.254.169.254"}, 403, "outside the networks"),
+    ({"url": "http://8.8.8.8:80"}, 403, "outside the networks"),
+    ({"url": "http://127.0.0.1:9", "events": {"endpoint": "ipc:///tmp/kvroute-owned"}}, 400, "tcp://"),
+    ({"url": "http://127.0.0.1:9", "events": {"endpoint": "tcp://127.0.0.1:5999", "bind": True}}, 400, "bind"),
+])
+async def test_the_admin_api_adds_only_safe_workers(worker: dict[str, Any], status: int, where: str) -> None:
+    async with fleet([FakeWorker("w", DIGEST)]) as (gw, url):
+        async with aiohttp.ClientSession() as s, s.post(url + "/admin/workers", json={"id": "x", **worker}) as r:
+            err = (await r.json())["error"]
+            assert r.status == status and where in err["message"], err
+        assert "x" not in gw.pool.workers
+
+
+async def test_a_prompt_too_long_by_its_characters_is_refused_unread() -> None:
+    async with fleet([FakeWorker("w", DIGEST)]) as (gw, url):  # max_context_tokens 512
+        threaded = gw.tokenization.threaded
+        t0 = time.monotonic()
+        with pytest.raises(openai.BadRequestError) as ei:
+            await client(url).completions.create(model=MODEL, prompt="word " * 300_000, max_tokens=1)
+        assert ei.value.code == "context_length_exceeded" and "characters" in ei.value.message
+        assert gw.tokenization.threaded == threaded and time.monotonic() - t0 < 2.0  # nothing was tokenized
+
+
+async def test_the_body_budget_answers_429_when_full() -> None:
+    slow = FakeWorker("w", DIGEST, first_delay_s=1.0)
+    cfg = _cfg(limits={"max_inflight_body_bytes": 6000, "max_body_bytes": 5000},
+               models=[{"id": MODEL, "tokenizer": "configs/assets/tiny-tokenizer", "max_context_tokens": 8192}])
+    async with fleet([slow], cfg) as (_, url):
+        c = client(url)
+        first = asyncio.ensure_future(c.completions.create(model=MODEL, prompt="a " * 2000, max_tokens=1))
+        await wait_until(lambda: slow.completions, 5.0, "the first request in flight")
+        with pytest.raises(openai.RateLimitError) as ei:
+            await c.completions.create(model=MODEL, prompt="b " * 2000, max_tokens=1)
+        assert ei.value.code == "gateway_busy"
+        assert (await first).choices[0].text
+        assert (await c.completions.create(model=MODEL, prompt="c " * 2000, max_tokens=1)).choices[0].text

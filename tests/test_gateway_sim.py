@@ -11,12 +11,11 @@ import random
 import subprocess
 import sys
 import time
+from array import array
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
-
-from array import array
 
 import aiohttp
 import openai
@@ -86,7 +85,9 @@ def _cfg(urls: list[str], **over: Any) -> Config:
 async def gateway(cfg: Config) -> AsyncIterator[tuple[Any, str]]:
     async with running_gateway(cfg, ready_timeout=10.0) as (gw, url):
         await _wait(lambda: all(w.state.value == "healthy" for w in gw.pool.workers.values()), 10.0)
-        assert all(w.state.value == "healthy" for w in gw.pool.workers.values()), [w.reason for w in gw.pool.workers.values()]
+        assert all(w.state.value == "healthy" for w in gw.pool.workers.values()), [
+            w.reason for w in gw.pool.workers.values()
+        ]
         yield gw, url
 
 
@@ -106,9 +107,14 @@ async def _wait(pred: Any, timeout: float = 3.0) -> bool:
 
 
 async def test_openai_sdk_chat_and_completions(cluster: list[str]) -> None:
-    async with gateway(_cfg(cluster)) as (gw, url), openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0) as c:
+    async with (
+        gateway(_cfg(cluster)) as (gw, url),
+        openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0) as c,
+    ):
         msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": _words(1, 100)}]
-        r = await c.chat.completions.create(model="llama-3.1-8b", messages=msgs, max_tokens=7, temperature=0.0, user="u1")
+        r = await c.chat.completions.create(
+            model="llama-3.1-8b", messages=msgs, max_tokens=7, temperature=0.0, user="u1"
+        )
         assert r.object == "chat.completion" and r.model == "llama-3.1-8b"
         assert r.choices[0].message.role == "assistant" and r.choices[0].message.content
         assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 7
@@ -136,7 +142,10 @@ async def test_openai_sdk_chat_and_completions(cluster: list[str]) -> None:
 
 
 async def test_same_prefix_conversation_stays_on_its_worker(cluster: list[str]) -> None:
-    async with gateway(_cfg(cluster)) as (gw, url), openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0) as c:
+    async with (
+        gateway(_cfg(cluster)) as (gw, url),
+        openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0) as c,
+    ):
         history = [{"role": "system", "content": _words(10, 400)}]
         chosen: set[str] = set()
         cached: list[int] = []
@@ -151,7 +160,7 @@ async def test_same_prefix_conversation_stays_on_its_worker(cluster: list[str]) 
             rt = gw.models.get(MODEL)
             ids = rt.tokenizer.encode_text(rt.tokenizer.render_chat(history, add_generation_prompt=False), False)
             digests = rt.key_plan(ids[: len(ids) - len(ids) % 16], "", None).digests
-            await _wait(lambda d=digests: any(m.blocks >= len(d) - 3 for m in rt.index.match(d).values()))
+            await _wait(lambda d=digests, rt=rt: any(m.blocks >= len(d) - 3 for m in rt.index.match(d).values()))
         assert len(chosen) == 1, chosen  # every turn on the worker holding the conversation
         assert cached[0] == 0 and all(x > 400 for x in cached[1:]), cached
         # explain shows why: the holder has the prefix on GPU, the others nothing
@@ -171,7 +180,8 @@ async def test_same_prefix_conversation_stays_on_its_worker(cluster: list[str]) 
 
 
 async def test_tenants_isolated_and_purge(cluster: list[str]) -> None:
-    cfg = _cfg(cluster, tenants=[{"id": "a", "api_keys": [KEY_A]}, {"id": "b", "api_keys": [KEY_B]}], admin_token="adm-secret-1")
+    cfg = _cfg(cluster, tenants=[{"id": "a", "api_keys": [KEY_A]}, {"id": "b", "api_keys": [KEY_B]}],
+               admin_token="adm-secret-1")
     prompt = _words(7, 300)
     async with gateway(cfg) as (gw, url):
         ca = openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY_A, max_retries=0)
@@ -235,7 +245,9 @@ async def test_prefetch_sent_when_blocks_sit_on_cpu(tmp_path: Path) -> None:
             async with aiohttp.ClientSession() as s:
                 for k in range(3):
                     other = list(range(10000 + k * 5000, 10000 + k * 5000 + 16 * 60))
-                    async with s.post(holder.url + "/v1/completions", json={"model": MODEL, "prompt": other, "max_tokens": 1}) as r:
+                    async with s.post(
+                        holder.url + "/v1/completions", json={"model": MODEL, "prompt": other, "max_tokens": 1}
+                    ) as r:
                         assert r.status == 200, await r.text()
             assert await _wait(lambda: dict(rt.index.match(digests)[holder.id].runs).get(Tier.CPU, 0) > 0)
             await _wait(lambda: holder.view.running_requests == 0 and holder.view.waiting_requests == 0)
@@ -255,7 +267,9 @@ async def test_prefetch_sent_when_blocks_sit_on_cpu(tmp_path: Path) -> None:
 
 
 def test_kvroute_cli_help_and_exec_wiring() -> None:
-    r = subprocess.run([sys.executable, "-m", "kvroute.cli", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=30)
+    r = subprocess.run(
+        [sys.executable, "-m", "kvroute.cli", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=30
+    )
     assert r.returncode == 0 and "serve" in r.stdout and "up" in r.stdout
     r = subprocess.run([sys.executable, "-m", "kvroute.cli", "sim-cluster", "--workers", "0", "--profile", PROFILE,
                         "--base-port", "0"], cwd=ROOT, capture_output=True, text=True, timeout=60, env={**os.environ})
@@ -275,7 +289,9 @@ async def test_error_classes_against_sim_workers(cluster: list[str]) -> None:
     async with gateway(cfg) as (gw, url):
         async with openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY_A, max_retries=0) as c:
             async with aiohttp.ClientSession() as s:
-                async with s.post(url + "/v1/completions", data=b"{oops", headers={"authorization": f"Bearer {KEY_A}"}) as r:
+                async with s.post(
+                    url + "/v1/completions", data=b"{oops", headers={"authorization": f"Bearer {KEY_A}"}
+                ) as r:
                     assert r.status == 400 and (await r.json())["error"]["code"] == "invalid_json"
             with pytest.raises(openai.BadRequestError):  # a field of the wrong type
                 await c.completions.create(model=MODEL, prompt="x", max_tokens="many")  # type: ignore[arg-type]
@@ -288,12 +304,42 @@ async def test_error_classes_against_sim_workers(cluster: list[str]) -> None:
             with pytest.raises(openai.AuthenticationError):
                 await bad.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
     slo = _cfg(cluster, routing={"policy": "kv_cost", "max_ttft_s": 1e-5})
-    async with gateway(slo) as (gw, url), openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0) as c:
+    async with (
+        gateway(slo) as (gw, url),
+        openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0) as c,
+    ):
         with pytest.raises(openai.RateLimitError) as e429:
             await c.completions.create(model=MODEL, prompt=_words(5, 500), max_tokens=1)
         assert float(e429.value.response.headers["retry-after"]) >= 1
     dead = _cfg(["http://127.0.0.1:9"])
-    async with running_gateway(dead) as (gw, url), openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0) as c:
+    async with (
+        running_gateway(dead) as (gw, url),
+        openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0) as c,
+    ):
         with pytest.raises(openai.InternalServerError) as e503:
             await c.completions.create(model=MODEL, prompt="x", max_tokens=1)
         assert e503.value.status_code == 503
+
+
+async def test_a_restarted_gateway_knows_the_fleets_cache_before_it_is_ready(cluster: list[str]) -> None:
+    """Our workers republish their blocks when a gateway registers them: a gateway started
+    next to a warm fleet routes by cache from its first request, and says ready only then."""
+    prompt = list(range(1000, 1000 + 16 * 40))
+    async with gateway(_cfg(cluster)) as (gw, url):
+        async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions", json={
+                "model": MODEL, "prompt": prompt, "max_tokens": 1}) as r:
+            holder = r.headers["x-kvroute-worker"]
+    async with running_gateway(_cfg(cluster), ready_timeout=None) as (gw2, url2):
+        rt = gw2.models.get(MODEL)
+        digests = rt.key_plan(array("I", prompt), "", None).digests
+        async with aiohttp.ClientSession() as s:
+            assert await _wait(lambda: gw2.ready()[0], 15.0)
+            m = rt.index.match(digests).get(holder)  # known without any new request
+            assert m is not None and m.blocks == 40, gw2.ready()
+            async with s.get(url2 + "/ready") as r:
+                assert r.status == 200 and (await r.json())["indexing_workers"] == []
+            async with s.post(url2 + "/v1/completions", json={"model": MODEL, "prompt": prompt,
+                                                               "max_tokens": 1}) as r:
+                assert r.headers["x-kvroute-worker"] == holder
+                usage = (await r.json())["usage"]
+                assert usage["prompt_tokens_details"]["cached_tokens"] >= 16 * 39

@@ -220,3 +220,40 @@ def test_workloads_exercise_every_tier() -> None:
     assert all(v > 0 for v in seen.values()), seen
     assert all(v > 0 for v in moved.values()), moved
     assert damaged > 0 and down > 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_republished_state_alone_rebuilds_every_routable_block(seed: int) -> None:
+    """What a worker republishes for a gateway that (re)starts, applied alone in a fresh
+    index: it never claims a block the worker lacks, and it holds every block the worker
+    could serve as part of a prefix (its whole chain of parents held by the worker or its
+    group). A block whose parent the worker no longer has anywhere cannot be keyed from
+    scratch (the index's orphan rule), and no prefix can reach it either."""
+    _, engines, _ = workload(seed)
+    idx = PrefixIndex(block_size=BS)
+    for i, e in enumerate(engines):
+        idx.add_worker(f"w{i}", e.namespace.digest, BS, "rg0", trusted_digests=True)
+    enc, dec = EventEncoder(), EventDecoder(lazy=True)
+    for i, e in enumerate(engines):
+        st = idx.apply(f"w{i}", dec.decode(enc.encode(1.0, e.state_events())))
+        assert st.bad_events == 0 and st.unknown_removed == 0, st
+    for i, e in enumerate(engines):
+        snap = e.tiers_snapshot()
+        held = set().union(*snap.values())
+        meta = {**(e.remote.meta if e.remote is not None else {}), **e.kv.meta}
+
+        def reachable(k: bytes) -> bool:
+            while k is not None:
+                if k not in held or k not in meta:
+                    return False
+                k = meta[k].parent
+            return True
+
+        for t, keys in snap.items():
+            for k, d in zip(keys, digests64(list(keys)), strict=True):
+                tiers = idx.holders(d).get(f"w{i}", [])
+                if reachable(k):
+                    assert t in tiers, (i, t)
+        for t in (Tier.GPU, Tier.CPU, Tier.DISK):  # nothing invented
+            claimed = {d for d in digests64(list(held)) if t in idx.holders(d).get(f"w{i}", [])}
+            assert claimed <= set(digests64(list(snap[t]))), (i, t)

@@ -197,6 +197,8 @@ class WorkerApp:
             RouteSpec("/kv/blocks", "blocks", "POST", kv.blocks, "Blocks held, for a peer (long key lists)",
                       BlocksBody),
             RouteSpec("/kv/purge", "purge", "POST", kv.purge, "Drop the blocks of a cache salt, or all", PurgeBody),
+            RouteSpec("/kv/republish", "republish", "POST", ops.republish,
+                      "Publish every block held as KV events (a restarted gateway rebuilds its index)"),
             RouteSpec("/load", "load", "GET", ops.load, "Queue, blocks and speeds, for the router"),
             RouteSpec("/info", "info", "GET", ops.info, "Identity, KV namespace, event endpoints"),
             RouteSpec("/health", "health", "GET", ops.health, "ok or draining"),

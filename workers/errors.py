@@ -54,3 +54,11 @@ class NotFound(EngineError):
     status = 404
     type = "invalid_request_error"
     code = "not_found"
+
+
+class NotImplementedByEngine(EngineError):
+    """The engine behind this worker does not offer what the request asks (501)."""
+
+    status = 501
+    type = "invalid_request_error"
+    code = "not_implemented"

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, cast
 
-from kvindex.events import BlockHash, BlockStored
+from kvindex.events import AllBlocksCleared, BlockHash, BlockStored, KVEvent
 from kvindex.keys import digest64, digests64
 from kvindex.tiers import Tier
 
@@ -121,3 +121,35 @@ def _parents_first(runs: list[list[bytes]], meta: Mapping[bytes, BlockMeta]) -> 
             r = where.get(p) if p is not None else None
         out.extend(runs[x] for x in reversed(stack))
     return out
+
+
+def state_events(held: Mapping[Tier, set[bytes]], meta: Mapping[bytes, BlockMeta], block_size: int) -> list[KVEvent]:
+    """The whole state as events: `AllBlocksCleared`, then one `BlockStored` per block and
+    tier, every block after its parent whatever tier either sits in (a subscriber that
+    applies them in order, alone, rebuilds exactly `held`; blocks without metadata cannot
+    be described and are left out)."""
+    depth: dict[bytes, int] = {}
+
+    def depth_of(start: bytes) -> int:
+        path, k = [], start
+        while k not in depth:
+            p = meta[k].parent
+            if p is None or p not in meta:
+                depth[k] = 0  # a root, or a block whose parent nothing describes
+                break
+            path.append(k)
+            k = p
+        d = depth[k]
+        for c in reversed(path):
+            d += 1
+            depth[c] = d
+        return depth[start]
+
+    keys = {k for ks in held.values() for k in ks if k in meta}
+    order = sorted(keys, key=depth_of)
+    events: list[KVEvent] = [AllBlocksCleared()]
+    for k in order:
+        for tier in (Tier.GPU, Tier.CPU, Tier.DISK, Tier.REMOTE):
+            if k in held.get(tier, ()):
+                events.append(_stored([k], meta, block_size, tier.name))
+    return events

@@ -286,6 +286,13 @@ class SimDriver:
         self.schedule()
         return ok
 
+    def republish(self) -> int:
+        """Publish everything held as one batch of events; returns its sequence number."""
+        self._sync()
+        events = self.engine.state_events()
+        pub = self.publisher_stats
+        return int(pub.publish(events)) if pub is not None else -1
+
     def purge(self, cache_salt: str | None, everything: bool) -> int:
         self._sync()
         n = self.engine.purge(cache_salt, everything)

@@ -20,7 +20,7 @@ from workers.errors import BadRequest, PrefetchQueueFull, QueueFull, RequestTooL
 from workers.usage import Usage
 
 from .admission import AdmissionFilter
-from .blockmeta import BlockMeta
+from .blockmeta import BlockMeta, state_events
 from .job import Job, SimRequest
 from .kvcache import TieredKV
 from .loader import Loader, PeerSource
@@ -290,6 +290,12 @@ class SimEngine:
     def cancel_prefetch(self, prefetch_id: str) -> bool:
         """Cancel a prefetch's transfers not yet moving; False if unknown or finished."""
         return self.loader.cancel_prefetch(prefetch_id)
+
+    def state_events(self) -> list[KVEvent]:
+        """Everything this worker holds, as events a fresh subscriber can rebuild it from
+        (published on request: a gateway that restarted asks for it)."""
+        meta = {**(self.remote.meta if self.remote is not None else {}), **self.kv.meta}
+        return state_events(self.kv.snapshot(), meta, self.bs)
 
     def purge(self, cache_salt: str | None, everything: bool = False, *, lora: str | None = None) -> int:
         """Drop every block of chains salted with `cache_salt`, of LoRA adapter `lora` (an

@@ -8,6 +8,7 @@ from starlette.responses import Response
 
 from kvwire import EventsInfo
 from workers.api import Engine
+from workers.errors import NotImplementedByEngine
 from workers.metrics import WorkerMetrics
 
 from .common import json_response
@@ -34,6 +35,14 @@ class OpsHandlers:
         info = self.engine.info()
         caps = info.capabilities if self.peer_export else [c for c in info.capabilities if c != "peer_pull"]
         return json_response(msgspec.structs.replace(info, url=self.url, events=self.events, capabilities=caps))
+
+    async def republish(self, request: Request) -> Response:
+        """Everything held, published as one batch of KV events; answers its sequence number,
+        so a subscriber knows when it has applied it."""
+        republish = getattr(self.engine, "republish", None)
+        if republish is None:
+            raise NotImplementedByEngine("this engine cannot republish its blocks")
+        return json_response({"seq": republish()})
 
     async def health(self, request: Request) -> Response:
         return json_response({"status": "draining" if self.engine.draining else "ok"})
