@@ -130,7 +130,8 @@ async def main_async(a: argparse.Namespace, gw_pid: int, gw_url: str, w_url: str
         c0, t0 = _cpu_s(gw_pid), time.monotonic()
         await asyncio.sleep(a.idle_seconds)
         idle = (_cpu_s(gw_pid) - c0) / (time.monotonic() - t0)
-        print(f"gateway idle CPU (load polls every 0.1 s, health checks): {idle * 100:.1f}% of a core (subtracted below)")
+        print(f"gateway idle CPU (load polls every 0.1 s, health checks): {idle * 100:.1f}% of a core "
+              "(subtracted below)")
 
         def per_req(cpu0: float, t0: float, n: int) -> float:
             return ((_cpu_s(gw_pid) - cpu0) - idle * (time.monotonic() - t0)) / max(1, n)
@@ -144,21 +145,24 @@ async def main_async(a: argparse.Namespace, gw_pid: int, gw_url: str, w_url: str
                 u = (w_url if name == "direct" else gw_url) + "/v1/completions"
                 res[name].append(await _one(s, u, body(p)))
         cpu_seq = per_req(cpu0, tc, a.requests)
-        print(f"\n== sequential, {a.requests} requests each, {a.prompt_tokens}-token id prompts, max_tokens={a.max_tokens}")
+        print(f"\n== sequential, {a.requests} requests each, {a.prompt_tokens}-token id prompts, "
+              f"max_tokens={a.max_tokens}")
         print(f"{'path':10s} {'TTFT p50':>10s} {'TTFT p99':>10s} {'E2E p50':>10s} {'E2E p99':>10s}   (ms)")
         for name, xs in res.items():
             t = [x[0] * 1000 for x in xs]
             e = [x[1] * 1000 for x in xs]
-            print(f"{name:10s} {statistics.median(t):10.2f} {_pct(t, .99):10.2f} {statistics.median(e):10.2f} {_pct(e, .99):10.2f}")
+            print(f"{name:10s} {statistics.median(t):10.2f} {_pct(t, .99):10.2f} "
+                  f"{statistics.median(e):10.2f} {_pct(e, .99):10.2f}")
         dt = statistics.median(x[0] for x in res["gateway"]) - statistics.median(x[0] for x in res["direct"])
         de = statistics.median(x[1] for x in res["gateway"]) - statistics.median(x[1] for x in res["direct"])
         print(f"added by the gateway: TTFT {dt * 1000:+.2f} ms, E2E {de * 1000:+.2f} ms (medians)")
-        print(f"gateway CPU per routed request (sequential, token ids, SSE relay of {a.max_tokens} tokens): {cpu_seq * 1e6:.0f} µs")
+        print(f"gateway CPU per routed request (sequential, token ids, SSE relay of {a.max_tokens} tokens): "
+              f"{cpu_seq * 1e6:.0f} µs")
 
         # chat: tokenization + template on the gateway (the worker sees token ids either way)
         cpu0, tc = _cpu_s(gw_pid), time.monotonic()
         words = "route the request to the worker that holds the prefix blocks".split()
-        for i in range(a.requests):
+        for _ in range(a.requests):
             msgs = [{"role": "system", "content": "You are a terse assistant."},
                     {"role": "user", "content": " ".join(rng.choice(words) for _ in range(a.prompt_tokens // 2))}]
             await _one(s, gw_url + "/v1/chat/completions",
@@ -183,14 +187,14 @@ async def main_async(a: argparse.Namespace, gw_pid: int, gw_url: str, w_url: str
             stop = time.monotonic() + a.seconds
             cpu0, tc = _cpu_s(gw_pid), time.monotonic()
 
-            async def loop() -> None:
+            async def loop(base: str, stop: float) -> None:
                 nonlocal done
                 while time.monotonic() < stop:
                     await _one(s, base + "/v1/completions", body(_prompt(rng, a.prompt_tokens)))
                     done += 1
 
             t0 = time.monotonic()
-            await asyncio.gather(*(loop() for _ in range(a.concurrency)))
+            await asyncio.gather(*(loop(base, stop) for _ in range(a.concurrency)))
             el = time.monotonic() - t0
             extra = ""
             if name == "gateway":

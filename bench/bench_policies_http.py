@@ -65,7 +65,9 @@ def _start_fleet(n: int, profile: Path) -> tuple[subprocess.Popen[str], list[str
     raise SystemExit("sim-cluster did not start")
 
 
-def _start_gateway(tmp: Path, policy: str, urls: list[str], profile: Path, model: str) -> tuple[subprocess.Popen[str], str]:
+def _start_gateway(
+    tmp: Path, policy: str, urls: list[str], profile: Path, model: str
+) -> tuple[subprocess.Popen[str], str]:
     port = free_port()
     cfg = {
         "listen": {"host": "127.0.0.1", "port": port},
@@ -108,7 +110,9 @@ def workload(a: argparse.Namespace) -> list[tuple[float, list[int]]]:
     return out
 
 
-async def replay(url: str, model: str, reqs: list[tuple[float, list[int]]], max_tokens: int) -> tuple[list[float], dict[str, int]]:
+async def replay(
+    url: str, model: str, reqs: list[tuple[float, list[int]]], max_tokens: int
+) -> tuple[list[float], dict[str, int]]:
     ttfts: list[float] = []
     tokens: dict[str, int] = {}  # prompt tokens by where they came from (usage.kv)
     errors = 0

@@ -99,7 +99,7 @@ async def replay(urls: list[str], rows: list[dict], speed: float) -> dict:
                             srv = u["kv"]["ttft_ms"] / 1000
                             server_ttft.append(srv)
                             tokens[0] += u["completion_tokens"]
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            except (TimeoutError, aiohttp.ClientError) as e:
                 errors.append(repr(e))
                 return
             if first is not None:
@@ -171,8 +171,10 @@ def main() -> None:
           f"{cpu / max(res['tokens'], 1) * 1e6:.1f} us per generated token ({res['tokens']:,} tokens); "
           f"utilisation {cpu / wall:.1%} of one core (idle baseline {idle_rate:.1%})")
     print(f"client CPU: {me:.2f} s ({me / max(n, 1) * 1000:.2f} ms per request)")
-    print(f"TTFT client p50 {pct(res['client_ttft'], 50) * 1000:.1f} ms p99 {pct(res['client_ttft'], 99) * 1000:.1f} ms | "
-          f"worker-reported p50 {pct(res['server_ttft'], 50) * 1000:.1f} ms p99 {pct(res['server_ttft'], 99) * 1000:.1f} ms")
+    print(f"TTFT client p50 {pct(res['client_ttft'], 50) * 1000:.1f} ms "
+          f"p99 {pct(res['client_ttft'], 99) * 1000:.1f} ms | "
+          f"worker-reported p50 {pct(res['server_ttft'], 50) * 1000:.1f} ms "
+          f"p99 {pct(res['server_ttft'], 99) * 1000:.1f} ms")
     print(f"per-request gap (client TTFT - worker TTFT: body upload, parsing, keying, loop and SSE delivery): "
           f"p50 {pct(res['gaps'], 50) * 1000:.1f} ms p99 {pct(res['gaps'], 99) * 1000:.1f} ms")
     if res["errors"]:

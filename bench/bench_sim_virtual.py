@@ -111,7 +111,7 @@ def run(rows: list[dict], keys: list[list[bytes]], workers: int, profile_name: s
             schedule(i)
 
     t0 = time.perf_counter()
-    for n, (r, ks) in enumerate(zip(rows, keys)):
+    for n, (r, ks) in enumerate(zip(rows, keys, strict=True)):
         ta = r["timestamp"] / 1000.0 / speed
         run_until(ta)
         if policy == "rr":

@@ -183,7 +183,7 @@ def analyse(reqs: list[Req]) -> dict[str, float]:
     deciles = statistics.quantiles(starts, n=10) if len(starts) >= 2 else [0.0] * 9
     burst = max(deciles[8] - deciles[0], 0.0) / 0.8
     explained = [(when[r.index] - r.issue + jitter / 2 + burst / 2) * 1000.0 for r in reqs]
-    fixed = statistics.median(r.overhead_ms - e for r, e in zip(reqs, explained))
+    fixed = statistics.median(r.overhead_ms - e for r, e in zip(reqs, explained, strict=True))
     return {"requests": len(reqs), "bursts": len(bs), "delay_free_tokens": free, "intake_ms": intake * 1000,
             "lag_us_per_token": per_token * 1e6, "jitter_ms": jitter * 1000, "burst_jitter_ms": burst * 1000,
             "out_of_order_measured": target,

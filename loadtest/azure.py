@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from datetime import datetime
 from pathlib import Path
 
-from .sharing import SharingModel, trace_from_lengths
+from .sharing import DEFAULT_SHARING, SharingModel, trace_from_lengths
 from .trace import Trace, TraceError
 
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
@@ -24,7 +24,7 @@ def _parse_ts(s: str) -> float:
 
 
 def parse_azure(
-    rows: Iterable[str], *, name: str = "azure", source: str = "", sharing: SharingModel | None = SharingModel()
+    rows: Iterable[str], *, name: str = "azure", source: str = "", sharing: SharingModel | None = DEFAULT_SHARING
 ) -> Trace:
     reader = csv.reader(rows)
     try:
@@ -58,7 +58,7 @@ def parse_azure(
     return trace_from_lengths(name, source, ts, ins, outs, None, sharing)
 
 
-def load_azure(path: str | Path, *, sharing: SharingModel | None = SharingModel()) -> Trace:
+def load_azure(path: str | Path, *, sharing: SharingModel | None = DEFAULT_SHARING) -> Trace:
     p = Path(path)
     try:
         with p.open(newline="") as f:

@@ -13,7 +13,7 @@ import csv
 from collections.abc import Iterable
 from pathlib import Path
 
-from .sharing import SharingModel, trace_from_lengths
+from .sharing import DEFAULT_SHARING, SharingModel, trace_from_lengths
 from .trace import Trace, TraceError
 
 BURSTGPT_REQUIRED = ("Timestamp", "Model", "Request tokens", "Response tokens", "Total tokens", "Log Type")
@@ -24,7 +24,7 @@ def parse_burstgpt(
     *,
     name: str = "burstgpt",
     source: str = "",
-    sharing: SharingModel | None = SharingModel(),
+    sharing: SharingModel | None = DEFAULT_SHARING,
     model: str | None = None,
     log_type: str | None = None,
 ) -> Trace:
@@ -84,7 +84,7 @@ def parse_burstgpt(
 def load_burstgpt(
     path: str | Path,
     *,
-    sharing: SharingModel | None = SharingModel(),
+    sharing: SharingModel | None = DEFAULT_SHARING,
     model: str | None = None,
     log_type: str | None = None,
 ) -> Trace:

@@ -278,8 +278,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
         if trace.block_tokens != 512:
             print(f"note: the Mooncake file will use {trace.block_tokens}-token blocks; "
                   f"read it back with --block-tokens {trace.block_tokens}")
-        n = dump_mooncake(trace, args.to)
-        print(f"wrote {n} requests to {args.to}")
+        written = dump_mooncake(trace, args.to)
+        print(f"wrote {written} requests to {args.to}")
     return 0
 
 

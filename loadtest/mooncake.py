@@ -97,7 +97,9 @@ def load_mooncake(path: str | Path, *, block_tokens: int = MOONCAKE_BLOCK_TOKENS
     p = Path(path)
     try:
         with p.open("rb") as f:
-            return parse_mooncake(f, name=p.stem, source=str(p), block_tokens=block_tokens, strict_lengths=strict_lengths)
+            return parse_mooncake(
+                f, name=p.stem, source=str(p), block_tokens=block_tokens, strict_lengths=strict_lengths
+            )
     except OSError as e:
         raise TraceError(f"cannot read trace {p}: {e.strerror or e}") from None
 

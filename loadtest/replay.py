@@ -177,7 +177,7 @@ class Replayer:
             if not acquired:
                 self.progress.queued -= 1
                 res.client_queue_s = max(0.0, time.monotonic() - t0 - arrival)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             res.status, res.error = 0, f"timed out after {self.cfg.request_timeout_s:g}s"
         except aiohttp.ClientError as e:
             res.status, res.error = 0, f"{type(e).__name__}: {e}"
@@ -357,7 +357,7 @@ class Replayer:
                     break
                 try:
                     await asyncio.wait_for(stop.wait(), 0.25)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
 
 

@@ -35,7 +35,8 @@ def _ratio(a: float, b: float) -> str:
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    out = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " if i == 0 else " ---: " for i in range(len(header))) + "|"]
+    rule = "|".join(" --- " if i == 0 else " ---: " for i in range(len(header)))
+    out = ["| " + " | ".join(header) + " |", "|" + rule + "|"]
     out += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(out)
 
@@ -107,7 +108,7 @@ def markdown(runs: Sequence[Run], title: str = "kvroute load test", notes: Seque
         ["run", "mode", "policy", "tiers", "trace", "speed", "workers", "profile", "errors"],
         [[r.meta.run, r.meta.mode, r.meta.policy or "–", r.meta.tiers, r.meta.trace, f"{r.meta.speed:g}",
           str(r.meta.workers or "–"), r.meta.profile or "–",
-          ", ".join(f"{k}: {v}" for k, v in s.errors.items()) or "0"] for r, s in zip(runs, sums)],
+          ", ".join(f"{k}: {v}" for k, v in s.errors.items()) or "0"] for r, s in zip(runs, sums, strict=True)],
     ))
     parts += ["", "## Latency (ms) and throughput", "", latency_table(sums)]
     parts += ["", "## Against the baselines (TTFT ratio, < 1 is better)", "", baseline_table(sums)]
@@ -175,10 +176,10 @@ def plot_all(runs: Sequence[Run], out_dir: Path) -> list[Path]:
 
     fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(sums) + 2), 4.5))
     bottom = np.zeros(len(sums))
-    for t in TIERS:
-        v = np.array([s.hit_rate.get(t, 0.0) for s in sums])
+    for tier in TIERS:
+        v = np.array([s.hit_rate.get(tier, 0.0) for s in sums])
         if v.any():
-            ax.bar(x, v * 100, bottom=bottom * 100, label=t)
+            ax.bar(x, v * 100, bottom=bottom * 100, label=tier)
             bottom += v
     ax.bar(x, (1 - np.clip(bottom, 0, 1)) * 100, bottom=bottom * 100, label="recomputed", color="#cccccc")
     ax.set_xticks(x, [s.run for s in sums], rotation=30, ha="right", fontsize=8)

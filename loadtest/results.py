@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 
@@ -64,7 +64,7 @@ class RequestResult(msgspec.Struct, tag="req", omit_defaults=True):
         return self.status == 200 and self.error is None and self.ttft_s is not None
 
 
-Line = Union[RunMeta, RequestResult]
+Line = RunMeta | RequestResult
 _enc = msgspec.json.Encoder()
 _dec = msgspec.json.Decoder(Line)
 
@@ -152,8 +152,8 @@ def read_runs(*paths: str | Path) -> list[Run]:
                 runs.append(run)
                 by_name[line.run] = run
             else:
-                run = by_name.get(line.run)
-                if run is None:
+                owner = by_name.get(line.run)
+                if owner is None:
                     raise TraceError(f"{path}: request line of run {line.run!r} before its meta line")
-                run.results.append(line)
+                owner.results.append(line)
     return runs

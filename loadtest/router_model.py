@@ -78,10 +78,12 @@ class RouterSettings:
 
     @property
     def prefetch_rule(self) -> PrefetchRule:
-        return PrefetchRule(self.prefetch, self.prefetch_min_blocks, self.prefetch_margin_s, self.prefetch_min_deadline_s)
+        return PrefetchRule(
+            self.prefetch, self.prefetch_min_blocks, self.prefetch_margin_s, self.prefetch_min_deadline_s
+        )
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.__slots__}  # type: ignore[attr-defined]
+        return {k: getattr(self, k) for k in self.__slots__}
 
 
 # Transport models for `RouterSettings.with_transport`. "local-http" is what

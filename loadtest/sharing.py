@@ -70,6 +70,10 @@ class SharingModel:
         )
 
 
+# The default model of the trace loaders (`sharing=`); frozen, so one shared instance is safe.
+DEFAULT_SHARING = SharingModel()
+
+
 @dataclass(slots=True)
 class SharingStats:
     followups: int = 0
@@ -115,7 +119,7 @@ def assign_hash_ids(
     stats = SharingStats()
     out: list[tuple[int, ...]] = []
     anon = 0
-    for i, (t, L) in enumerate(zip(arrivals, input_lengths)):
+    for i, (t, L) in enumerate(zip(arrivals, input_lengths, strict=True)):
         n_blocks = -(-L // bt)
         sess = sessions[i] if sessions is not None else None
         prefix: tuple[int, ...] = ()

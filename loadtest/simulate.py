@@ -90,7 +90,7 @@ class _Routed:
     d: Decision
     rr: RouteRequest
     keys: list[bytes]
-    tokens: array | None
+    tokens: array[int] | None
     order: list[str]
     i: int = 0  # the attempt under way: `order[i]`
     pf_blocks: int = 0  # blocks its prefetch asked for (attempt 0 only)
@@ -207,7 +207,7 @@ class Simulation:
         self._polling.discard(worker_id)
         self._sched.pop(worker_id, None)
         lost = 0
-        for rid, p in list(self._pending.items()):
+        for _rid, p in list(self._pending.items()):
             if p.worker == worker_id:
                 self._fail(p, now, 0, f"worker {worker_id} failed")
                 lost += 1
@@ -319,11 +319,12 @@ class Simulation:
         wid = p.worker
         w = self.router.workers[wid]
         sreq = SimRequest(
-            p.rid, req.input_length, req.output_length, keys=a.keys, token_ids=a.tokens,  # type: ignore[arg-type]
+            p.rid, req.input_length, req.output_length, keys=a.keys, token_ids=a.tokens,
             cache_salt=req.cache_salt, lora=req.lora,
-            on_first_token=lambda t, u, p=p: self._first(p, t, u),
-            on_finish=lambda t, u, p=p: self._finish(p, t, u),
-            on_error=lambda t, msg, p=p: self._fail(p, t, 500, msg),
+            # `p` is this call's parameter, never rebound: the callbacks close over it directly
+            on_first_token=lambda t, u: self._first(p, t, u),
+            on_finish=lambda t, u: self._finish(p, t, u),
+            on_error=lambda t, msg: self._fail(p, t, 500, msg),
         )
         try:
             w.engine.submit(sreq, now)
@@ -393,8 +394,8 @@ class Simulation:
     def run(self) -> Run:
         wall0 = time.perf_counter()
         speed = self.settings.speed
-        for eng in list(self.fleet.engines.values()):
-            self.router.join(eng, 0.0)
+        for engine in list(self.fleet.engines.values()):
+            self.router.join(engine, 0.0)
         for wid in list(self.fleet.engines):
             self._start_polls(wid, 0.0)
         reqs = self.trace.requests
@@ -441,8 +442,9 @@ class Simulation:
                 self._arrivals_left -= 1
                 self._arrive(x, t)
             elif kind == _ROUTE:
-                if self._pending.get(x.rid) is x:
-                    self._route(x, t)
+                pending = self._pending.get(x.rid)
+                if pending is not None and pending is x:
+                    self._route(pending, t)
             else:
                 self._submitted(x, t)
             self._maybe_drain_out(t)

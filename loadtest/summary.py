@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -49,7 +50,7 @@ class RunSummary:
     pred_abs_rel_err_p50: float
     pred_abs_rel_err_p90: float
     pred_bias: float  # median (predicted - actual) / actual: > 0 means over-estimates
-    stats: dict[str, object] = field(default_factory=dict)
+    stats: dict[str, Any] = field(default_factory=dict)
 
 
 def _lat(values: list[float]) -> dict[str, float]:

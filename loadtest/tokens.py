@@ -116,7 +116,8 @@ class TokenSynth:
         return out[: req.input_length]
 
     def token_list(self, req: TraceRequest) -> list[int]:
-        return self.tokens(req).tolist()
+        ids: list[int] = self.tokens(req).tolist()  # numpy types `tolist()` as Any
+        return ids
 
     def token_bytes(self, req: TraceRequest) -> bytes:
         """u32 little-endian bytes, the form kvindex hashes (no list of ints built)."""

@@ -55,7 +55,7 @@ class TraceStats:
     ideal_token_reuse: float
 
     def to_dict(self) -> dict[str, float | int]:
-        return {k: getattr(self, k) for k in self.__slots__}  # type: ignore[attr-defined]
+        return {k: getattr(self, k) for k in self.__slots__}
 
 
 @dataclass(slots=True)

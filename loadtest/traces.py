@@ -11,7 +11,7 @@ from pathlib import Path
 from .azure import load_azure
 from .burstgpt import load_burstgpt
 from .mooncake import MOONCAKE_BLOCK_TOKENS, load_mooncake
-from .sharing import SharingModel
+from .sharing import DEFAULT_SHARING, SharingModel
 from .trace import Trace, TraceError
 
 FORMATS = ("auto", "mooncake", "azure", "burstgpt")
@@ -42,7 +42,7 @@ def load_trace(
     fmt: str = "auto",
     *,
     block_tokens: int = MOONCAKE_BLOCK_TOKENS,
-    sharing: SharingModel | None = SharingModel(),
+    sharing: SharingModel | None = DEFAULT_SHARING,
     model: str | None = None,
     log_type: str | None = None,
 ) -> Trace:

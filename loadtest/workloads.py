@@ -72,7 +72,7 @@ def burst_workload(name: str, n: int, window_s: float, mix: PrefixMix, seed: int
     times = np.sort(rng.uniform(0.0, window_s, n))
     return tr.with_requests(
         [TraceRequest(r.index, float(t), r.input_length, r.output_length, r.hash_ids)
-         for r, t in zip(tr.requests, times)]
+         for r, t in zip(tr.requests, times, strict=True)]
     )
 
 

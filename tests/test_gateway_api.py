@@ -7,8 +7,8 @@ that the gateway's own surface (OpenAPI, models, tokenize, errors) is complete.
 """
 from __future__ import annotations
 
-from contextlib import AsyncExitStack, asynccontextmanager
 from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
 import aiohttp

@@ -25,7 +25,8 @@ ADMIN = "admin-token-123456"
 
 def _cfg(**over: Any) -> Config:
     data: dict[str, Any] = {
-        "models": [{"id": MODEL, "served_names": ["alias"], "tokenizer": "configs/assets/tiny-tokenizer", "max_context_tokens": 512}],
+        "models": [{"id": MODEL, "served_names": ["alias"], "tokenizer": "configs/assets/tiny-tokenizer",
+                    "max_context_tokens": 512}],
         "pool": {"load_poll_interval_s": 0.05, "health_interval_s": 0.1, "unhealthy_after": 2, "probe_timeout_s": 0.5},
         "routing": {"policy": "kv_cost", "retries": 1},
     }
@@ -35,7 +36,9 @@ def _cfg(**over: Any) -> Config:
 
 
 @asynccontextmanager
-async def fleet(fakes: list[FakeWorker], cfg: Config | None = None, ready: bool = True) -> AsyncIterator[tuple[Any, str]]:
+async def fleet(
+    fakes: list[FakeWorker], cfg: Config | None = None, ready: bool = True
+) -> AsyncIterator[tuple[Any, str]]:
     cfg = cfg or _cfg()
     async with AsyncExitStack() as st:
         for f in fakes:
@@ -67,7 +70,9 @@ def client(url: str, key: str = "none") -> openai.AsyncOpenAI:
     return c
 
 
-async def _raw(url: str, path: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any], dict[str, str]]:
+async def _raw(
+    url: str, path: str, body: bytes, headers: dict[str, str] | None = None
+) -> tuple[int, dict[str, Any], dict[str, str]]:
     async with aiohttp.ClientSession() as s:
         async with s.post(url + path, data=body, headers={"content-type": "application/json", **(headers or {})}) as r:
             return r.status, await r.json(content_type=None), dict(r.headers)
@@ -125,10 +130,14 @@ async def test_auth_401_and_admin_token() -> None:
     cfg = _cfg(tenants=[{"id": "a", "api_keys": [KEY], "salt": "s-a"}], admin_token=ADMIN)
     async with fleet([FakeWorker("a", DIGEST)], cfg) as (gw, url):
         with pytest.raises(openai.AuthenticationError):
-            await client(url, "sk-wrong-key-0000").chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
+            await client(url, "sk-wrong-key-0000").chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "x"}]
+            )
         st, body, _ = await _raw(url, "/v1/chat/completions", b"{}")
         assert st == 401 and _shape(body)["type"] == "authentication_error"
-        r = await client(url, KEY).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1)
+        r = await client(url, KEY).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1
+        )
         assert r.choices[0].message.content
         async with aiohttp.ClientSession() as s:
             async with s.get(url + "/admin/workers") as r1:
@@ -215,7 +224,8 @@ async def test_refused_worker_leaves_routing_at_once() -> None:
     async with serve_fake(FakeWorker("a", DIGEST)) as doomed:
         url_a = doomed.url
     good = FakeWorker("b", DIGEST)
-    cfg = _cfg(routing={"policy": "round_robin", "retries": 1}, pool={"load_poll_interval_s": 5, "health_interval_s": 5, "unhealthy_after": 50})
+    cfg = _cfg(routing={"policy": "round_robin", "retries": 1},
+               pool={"load_poll_interval_s": 5, "health_interval_s": 5, "unhealthy_after": 50})
     async with fleet([good], cfg) as (gw, url):
         w = gw.pool.add(WorkerConfig(id="a", url=url_a, model=MODEL))
         w.state = type(w.state).HEALTHY  # pretend it registered before dying
@@ -233,7 +243,9 @@ async def test_failure_after_first_byte_is_an_explicit_error() -> None:
         c = client(url)
         got: list[str] = []
         with pytest.raises(openai.APIError) as ei:
-            stream = await c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=6, stream=True)
+            stream = await c.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=6, stream=True
+            )
             async for ch in stream:
                 if ch.choices and ch.choices[0].delta.content:
                     got.append(ch.choices[0].delta.content)
@@ -247,7 +259,9 @@ async def test_client_disconnect_cancels_upstream() -> None:
     slow = FakeWorker("a", DIGEST, token_delay_s=0.05)
     async with fleet([slow]) as (gw, url):
         async with aiohttp.ClientSession() as s:
-            async with s.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 200, "stream": True}) as r:
+            async with s.post(
+                url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 200, "stream": True}
+            ) as r:
                 assert r.status == 200
                 await r.content.readline()
         await wait_until(lambda: slow.cancelled and not gw.pool.workers["a"].inflight, what="the upstream cancel")

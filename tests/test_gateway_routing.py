@@ -96,7 +96,8 @@ async def test_prefetch_cancelled_when_rerouted() -> None:
 
 
 async def test_long_queue_loses_to_idle_worker_when_recompute_is_cheaper() -> None:
-    busy = FakeWorker("a", DIGEST, load={"waiting_requests": 40, "waiting_prefill_tokens": 400_000, "est_queue_s": 12.0})
+    busy = FakeWorker("a", DIGEST,
+                      load={"waiting_requests": 40, "waiting_prefill_tokens": 400_000, "est_queue_s": 12.0})
     idle = FakeWorker("b", DIGEST)
     async with fleet([busy, idle]) as (gw, url):
         await wait_until(lambda: gw.pool.workers["a"].view.est_queue_s == 12.0, what="a load poll")
@@ -130,7 +131,8 @@ async def test_inflight_accounting_and_metrics() -> None:
             text = await r.text()
         assert 'kvroute_requests_total{model="test-model",route="/v1/completions",status="200"} 1.0' in text
         for name in ("kvroute_ttft_seconds_bucket", "kvroute_decision_seconds_bucket", "kvroute_worker_healthy{",
-                     "kvroute_index_blocks{", "kvroute_ttft_actual_over_predicted_bucket", "kvroute_route_choices_total"):
+                     "kvroute_index_blocks{", "kvroute_ttft_actual_over_predicted_bucket",
+                     "kvroute_route_choices_total"):
             assert name in text, name
         ok = [ln for ln in text.splitlines() if ln.startswith("kvroute_worker_healthy{")]
         assert ok and ok[0].endswith(" 1.0")
@@ -170,7 +172,8 @@ async def test_namespace_and_block_size_mismatch_refused() -> None:
     wrong_bs = FakeWorker("y", DIGEST, block_size=24)
     good = FakeWorker("g", DIGEST)
     async with fleet([good, wrong_ns, wrong_bs]) as (gw, url):
-        await wait_until(lambda: gw.pool.workers["x"].state.value == "refused" and gw.pool.workers["y"].state.value == "refused")
+        await wait_until(lambda: gw.pool.workers["x"].state.value == "refused"
+                         and gw.pool.workers["y"].state.value == "refused")
         assert "namespace digest" in gw.pool.workers["x"].reason
         assert "not a multiple" in gw.pool.workers["y"].reason
         assert gw.pool.routable(MODEL) == [gw.pool.workers["g"]]
@@ -217,9 +220,9 @@ async def test_vllm_worker_events_in_bind_mode() -> None:
 
     import zmq
     import zmq.asyncio
+    from test_gateway_fakes import serve_fake
 
     from kvindex.events import EventEncoder, seq_to_bytes
-    from test_gateway_fakes import serve_fake
 
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
@@ -305,10 +308,10 @@ async def test_an_index_holding_more_than_the_worker_can_asks_for_the_stream_tai
     socket for what followed the last sequence it applied."""
     import zmq
     import zmq.asyncio
+    from test_gateway_fakes import serve_fake
 
     from kvindex.events import END_SEQ, EventEncoder, seq_from_bytes, seq_to_bytes
     from loadtest.ports import free_port
-    from test_gateway_fakes import serve_fake
 
     pub_port, replay_port = free_port(), free_port()
     v = FakeWorker("v", DIGEST, gpu_blocks=2)

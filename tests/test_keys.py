@@ -62,7 +62,7 @@ def test_determinism_chaining_and_partial_blocks():
     assert len(set(k)) == len(k)
     swapped = TOKENS[:4] + TOKENS[8:12] + TOKENS[4:8] + TOKENS[12:]
     ks = h1.keys(swapped)
-    assert ks[0] == k[0] and all(a != b for a, b in zip(ks[1:], k[1:]))  # order matters
+    assert ks[0] == k[0] and all(a != b for a, b in zip(ks[1:], k[1:], strict=True))  # order matters
 
 
 @settings(max_examples=60, deadline=None)

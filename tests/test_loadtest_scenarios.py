@@ -9,8 +9,6 @@ import pytest
 from loadtest.scenarios import SCENARIOS, run_scenario
 
 
-
-
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_scenario_small(name: str, tmp_path: Path) -> None:
     res = run_scenario(name, size="small", out_dir=tmp_path, seed=0, verbose=False)

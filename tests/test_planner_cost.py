@@ -203,7 +203,9 @@ segments = st.lists(
         st.floats(0.0, 0.02),
     ),
     max_size=6,
-).map(lambda segs: [(t, n, 0.0 if t is Tier.GPU else bs, 0.0 if t is Tier.GPU else lat, int(t)) for t, n, bs, lat in segs])
+).map(lambda segs: [
+    (t, n, 0.0 if t is Tier.GPU else bs, 0.0 if t is Tier.GPU else lat, int(t)) for t, n, bs, lat in segs
+])
 
 
 @settings(max_examples=300, deadline=None)
@@ -251,7 +253,7 @@ def test_ttft_is_concave_within_a_run_on_each_side_of_the_queue_crossing(
     args = (start * 4 + count * 4 + 3, 4, speed, attn, 0.001, queue, overlap)
     ks = range(start + 1, start + count + 1)
     cuts = [ttft_at(segs, k, *args) for k in ks]
-    for a, b, c in zip(cuts, cuts[1:], cuts[2:]):
+    for a, b, c in zip(cuts, cuts[1:], cuts[2:], strict=False):
         if overlap and not (
             (a.t_load <= queue and c.t_load <= queue) or (a.t_load >= queue and c.t_load >= queue)
         ):

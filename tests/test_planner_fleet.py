@@ -47,7 +47,9 @@ def report(**over: object) -> LoadReport:
 def test_a_report_sets_every_load_field_and_folds_speeds_and_links() -> None:
     v = view(CPU=Link(1.0, 0.5))
     apply_report(v, report())
-    assert (v.waiting_requests, v.waiting_prefill_tokens, v.running_requests, v.running_prefill_tokens) == (3, 900, 5, 70)
+    assert (
+        v.waiting_requests, v.waiting_prefill_tokens, v.running_requests, v.running_prefill_tokens
+    ) == (3, 900, 5, 70)
     assert v.est_queue_s == 0.25 and (v.gpu_free_blocks, v.gpu_capacity_blocks) == (40, 100) and v.max_waiting == 7
     c = v.cost
     assert (c.prefill_tokens_per_s, c.prefill_attn_s_per_token2, c.prefill_overhead_s, c.decode_step_s) == (
@@ -70,8 +72,8 @@ def test_capacity_zero_means_used_plus_free_and_absent_fields_keep_the_view() ->
 
 def test_unmeasured_speeds_and_dead_links_are_not_applied() -> None:
     v = view(DISK=Link(7.0, 0.1))
-    apply_report(v, report(speeds=Speeds(prefill_tokens_per_s=0.0), tiers={"DISK": TierLink(0.0), "NVLINK": TierLink(9.0),
-                                                                            "GPU": TierLink(9.0)}))
+    apply_report(v, report(speeds=Speeds(prefill_tokens_per_s=0.0),
+                           tiers={"DISK": TierLink(0.0), "NVLINK": TierLink(9.0), "GPU": TierLink(9.0)}))
     c = v.cost
     assert c.prefill_tokens_per_s == 1000.0  # zero = not measured yet, never a speed to divide by
     assert (c.prefill_attn_s_per_token2, c.prefill_overhead_s, c.decode_step_s) == (1e-9, 0.002, 0.01)

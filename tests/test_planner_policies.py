@@ -281,7 +281,7 @@ def test_pruned_decisions_equal_full_evaluation(policy):
         assert fast.ranked[:2] == full.ranked[:2] and sorted(fast.ranked) == sorted(full.ranked)
         assert [e.worker_id for e in full.estimates] == [w.worker_id for w in ws]
         ctx = RequestContext.build(r, ws)
-        for w, e in zip(ws, full.estimates):  # the bound pruning relies on
+        for w, e in zip(ws, full.estimates, strict=True):  # the bound pruning relies on
             assert ttft_lower_bound(ctx, w, exact_queue=policy == "oracle") <= e.t_ttft * (1 + 1e-12)
 
 
@@ -466,7 +466,8 @@ def test_calibrated_prediction_follows_observations():
     r = request(8192)
     before = p.choose(r, ws).predicted_ttft
     for _ in range(60):  # the worker really prefills 2x slower than its profile
-        p.observe("w0", before, 2 * before, {"recomputed_tokens": 8192, "prefill_ms": 2000 * before, "loaded_tokens": {}})
+        p.observe("w0", before, 2 * before,
+                  {"recomputed_tokens": 8192, "prefill_ms": 2000 * before, "loaded_tokens": {}})
     after = p.choose(r, ws).predicted_ttft
     assert after == pytest.approx(2 * before, rel=0.02)
     assert p.calibrator.error_stats().count == 60

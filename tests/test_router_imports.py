@@ -19,7 +19,9 @@ gw = Gateway(load_config('configs/default.yaml', environ={}))
 rt = next(iter(gw.models.by_id.values()))
 ids = rt.tokenizer.encode_text(rt.tokenizer.render_chat([{'role': 'user', 'content': 'hello'}]), False)
 rt.key_plan(ids, '', None)
-bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.') or m == 'workers' or m.startswith('workers.') or m.startswith('loadtest'))
+bad = sorted(m for m in sys.modules
+             if m == 'torch' or m.startswith('torch.') or m == 'workers' or m.startswith('workers.')
+             or m.startswith('loadtest'))
 assert not bad, bad
 print('ok')
 """

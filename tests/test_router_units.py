@@ -35,12 +35,15 @@ def _model(**cfg_over: object) -> ModelRuntime:
 
 def _chat_ids(rt: ModelRuntime, user: str) -> array:
     tok = rt.tokenizer
-    return tok.encode_text(tok.render_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]), False)
+    return tok.encode_text(
+        tok.render_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]), False
+    )
 
 
 def test_tenants_are_isolated_and_keys_match_the_workers_computation() -> None:
     cfg = build_config({"models": [{"id": "m", "tokenizer": str(TOK)}],
-                        "tenants": [{"id": "a", "api_keys": ["sk-aaaaaaaa"]}, {"id": "b", "api_keys": ["sk-bbbbbbbb"], "salt": "B"}]},
+                        "tenants": [{"id": "a", "api_keys": ["sk-aaaaaaaa"]},
+                                    {"id": "b", "api_keys": ["sk-bbbbbbbb"], "salt": "B"}]},
                        ROOT, environ={})
     ten = Tenancy(cfg)
     a = ten.authenticate({"authorization": "Bearer sk-aaaaaaaa"})

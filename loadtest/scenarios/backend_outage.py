@@ -92,7 +92,8 @@ def run(ctx: Context) -> None:
         arrived in [lo, hi) (default: after the outage)."""
         rs = [r for r in runs[label].results if r.ok and lo <= r.arrival_s < hi]
         prompt = sum(r.prompt_tokens for r in rs)
-        return pct([r.ttft_s for r in rs], 50), sum(r.recomputed_tokens or 0 for r in rs) / max(1, prompt)
+        ttft = [r.ttft_s for r in rs if r.ttft_s is not None]  # all of them: `ok` implies a TTFT
+        return pct(ttft, 50), sum(r.recomputed_tokens or 0 for r in rs) / max(1, prompt)
 
     base_p50, base_re = after_stats("kv_cost-no-outage")
     out_p50, out_re = after_stats("kv_cost-outage")
@@ -130,8 +131,9 @@ def run(ctx: Context) -> None:
               f"(p50 TTFT {ms(d_p50)} vs {ms(b_p50)})")
     slo_down = runs[f"kv_cost-backend-down-slo{slo:g}s"]
     shed_d = sum(1 for r in slo_down.results if r.status == 429)
-    p99_d = pct([r.ttft_s for r in runs["kv_cost-backend-down"].results if r.ok and r.arrival_s >= after], 99)
-    p99_s = pct([r.ttft_s for r in slo_down.results if r.ok and r.arrival_s >= after], 99)
+    p99_d = pct([r.ttft_s for r in runs["kv_cost-backend-down"].results
+                 if r.ok and r.ttft_s is not None and r.arrival_s >= after], 99)
+    p99_s = pct([r.ttft_s for r in slo_down.results if r.ok and r.ttft_s is not None and r.arrival_s >= after], 99)
     ctx.check("backend down: load shedding holds", shed_d > 0 and p99_s < p99_d,
               f"with a {slo:g} s TTFT SLO kv_cost shed {shed_d} requests with 429 + retry-after; p99 TTFT of the "
               f"answered ones after the stop {ms(p99_s)} vs {ms(p99_d)} without shedding")

@@ -25,6 +25,7 @@ from kvindex.events import BlockStored
 from kvindex.keys import digest64, digests64
 from kvindex.tiers import Tier
 
+from ..results import Run
 from ..simulate import Simulation
 from ..workloads import PrefixMix, prefix_workload
 from .base import Context, by_run, ms, settings, sized_profile
@@ -60,7 +61,8 @@ def run(ctx: Context) -> None:
             if held and held[0] is not None:
                 continue  # w0 really has this prefix: nothing forged
             toks = sim.synth.token_list(req)[: n_pre * bs]
-            ev = BlockStored(block_hashes=digests64(keys), parent_block_hash=None, token_ids=toks,
+            hashes: list[int | bytes] = list(digests64(keys))  # BlockStored's field takes either kind
+            ev = BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=toks,
                              block_size=bs, medium="GPU")
             sim.router.index.apply("w0", [ev])
             facts["forged"][first] = digest64(keys[0])
@@ -147,7 +149,7 @@ def run(ctx: Context) -> None:
               f"{errs_c} checksum errors counted by the engines ({seen.get('clean_checksum_errors', 0)} in the "
               f"clean run)")
 
-    def recomputed_after(run: Any) -> float:
+    def recomputed_after(run: Run) -> float:
         rs = [r for r in run.results if r.ok and r.arrival_s >= t_inj]
         return sum(r.recomputed_tokens or 0 for r in rs) / max(1, sum(r.prompt_tokens for r in rs))
 

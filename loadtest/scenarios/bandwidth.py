@@ -8,17 +8,28 @@ offload at all.
 """
 from __future__ import annotations
 
+from typing import TypedDict
+
+from ..summary import RunSummary
 from ..workloads import Sessions, session_workload
 from .base import Context, by_run, ms, settings, sized_profile
 
 NAME = "bandwidth-squeeze"
 SUMMARY = "links 25-60x slower: offload may stop paying but never costs more than no offload"
-SLOW = {"cpu_Bps": 2.0e9, "disk_Bps": 0.25e9, "remote_Bps": 0.2e9, "peer_Bps": 0.2e9}
 
 
-def _below_gpu(s: object) -> float:
-    hit = s.hit_rate  # type: ignore[attr-defined]
-    return sum(v for k, v in hit.items() if k != "GPU")
+class _Links(TypedDict):
+    cpu_Bps: float
+    disk_Bps: float
+    remote_Bps: float
+    peer_Bps: float
+
+
+SLOW: _Links = {"cpu_Bps": 2.0e9, "disk_Bps": 0.25e9, "remote_Bps": 0.2e9, "peer_Bps": 0.2e9}
+
+
+def _below_gpu(s: RunSummary) -> float:
+    return sum(v for k, v in s.hit_rate.items() if k != "GPU")
 
 
 def run(ctx: Context) -> None:

@@ -57,7 +57,7 @@ def run(ctx: Context) -> None:
     ctx.check("never above capacity", not over and bool(samples),
               f"{len(samples)} samples, {len(over)} above capacity")
     written = int(run_.meta.stats.get("disk_bytes_written", 0))
-    cap_bytes = sum(b.capacity for b in blocks) * prof.geometry.bytes_per_token * st.fleet.block_size  # type: ignore[operator]
+    cap_bytes = sum(b.capacity for b in blocks) * prof.geometry.bytes_per_token * st.fleet.block_size
     ctx.check("write volume reported (turnover past capacity)", written > cap_bytes,
               f"{written / 1e9:.1f} GB written to SSD for {cap_bytes / 1e9:.1f} GB of capacity "
               f"({written / cap_bytes:.1f} drive fills)")

@@ -21,9 +21,9 @@ LONG = 24576
 def _long_hit(run: Run, long_ids: set[int]) -> tuple[float, float]:
     """(share of long-prefix tokens served from cache, p50 TTFT of long-prefix requests)."""
     got = want = 0
-    ttft = []
+    ttft: list[float] = []
     for r in run.results:
-        if r.index in long_ids and r.ok:
+        if r.index in long_ids and r.ok and r.ttft_s is not None:  # `ok` implies a TTFT
             want += LONG
             got += min(LONG, r.cached_tokens)
             ttft.append(r.ttft_s)

@@ -22,7 +22,8 @@ def _resumed(run: Run, resumed: set[int]) -> tuple[float, float, float]:
     p = sum(r.prompt_tokens for r in rs)
     c = sum(r.cached_tokens for r in rs)
     below = sum(v for r in rs for k, v in r.loaded_tokens.items() if k != "GPU")
-    return pct([r.ttft_s for r in rs], 50), (c / p if p else 0.0), (below / c if c else 0.0)
+    ttft = [r.ttft_s for r in rs if r.ttft_s is not None]  # all of them: `ok` implies a TTFT
+    return pct(ttft, 50), (c / p if p else 0.0), (below / c if c else 0.0)
 
 
 def run(ctx: Context) -> None:

@@ -25,7 +25,7 @@ class SimRequest:
     prompt_tokens: int
     max_tokens: int
     keys: list[bytes] | None = None
-    token_ids: list[int] | None = None
+    token_ids: Sequence[int] | None = None
     cache_salt: str | None = None
     shared_prefix_blocks: int = 0
     lora: str | None = None

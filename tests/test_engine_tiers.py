@@ -1,0 +1,457 @@
+"""The real engine's tiers below the pool, on the tiny Llama: a prompt whose prefix comes
+from GPU, CPU, DISK or REMOTE gives the greedy tokens and last logits of a full recompute
+(on CUDA too when there is one); every fault (corrupt, truncated, missing block, a segment
+whose data vanished, a full disk, Redis down, slow, or serving garbage) gives the same
+correct answer by recomputing, is counted, and the bad block's removal is published; a
+worker restarted over its DISK directory publishes and serves what it finds; prefetch
+(queue bound, cancel, deadline, a request joining a prefetch instead of loading twice).
+
+Needs redis-server on PATH for the REMOTE cases (skipped loudly otherwise)."""
+from __future__ import annotations
+
+import errno
+import os
+import random
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvindex.events import BlockRemoved, BlockStored, KVEvent
+from kvindex.keys import digest64
+from kvindex.tiers import Tier
+from workers.engine.core import EngineConfig, EngineCore
+from workers.engine.model import LoadedModel, ModelSpec, load_model
+from workers.engine.sequence import SamplingParams, Sequence
+from workers.engine.store.disk import DiskConfig
+from workers.engine.testing import RedisServer, redis_binary
+from workers.engine.tiers import TierConfig
+from workers.errors import BadRequest, PrefetchQueueFull
+
+GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
+BLOCK = 16
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(scope="module", params=DEVICES)
+def lm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoadedModel]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # 2 shared cores: one thread is faster than two fighting
+    try:
+        yield load_model(ModelSpec(cache_dir=Path(tmp_path_factory.getbasetemp()) / "kvroute-cache",
+                                   device=request.param, dtype="float32"))
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    yield from _redis(tmp_path_factory.mktemp("redis"))
+
+
+def _redis(workdir: Path) -> Iterator[RedisServer]:
+    pytest.importorskip("redis")
+    if redis_binary() is None:
+        msg = "!!! REMOTE TIER TESTS SKIPPED: no redis-server on PATH; the REMOTE tier was NOT tested !!!"
+        warnings.warn(msg, stacklevel=1)
+        pytest.skip(msg)
+    server = RedisServer(workdir).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+_groups = iter(range(1_000_000))
+
+
+def make_core(lm: LoadedModel, tmp: Path, *, redis: RedisServer | None = None, cpu_blocks: int = 128,
+              disk: bool = False, disk_dir: Path | None = None, num_blocks: int = 96, admit_after: int = 1,
+              disk_bytes: int = 16 << 20, group: str | None = None, **kw: Any) -> EngineCore:
+    bb = lm.kv.token_bytes * BLOCK
+    remote = None
+    if redis is not None:
+        from workers.engine.store.remote import RedisConfig
+
+        remote = RedisConfig(port=redis.port, group=group or f"t{next(_groups)}-{os.getpid()}")
+    dcfg = None
+    if disk:
+        dcfg = DiskConfig(disk_dir or tmp / "disk", disk_bytes, segment_bytes=min(4 << 20, disk_bytes // 2),
+                          admit_after=admit_after)
+    tiers = TierConfig(cpu_bytes=cpu_blocks * bb, disk=dcfg, remote=remote, **kw)
+    return EngineCore(lm, EngineConfig(num_blocks=num_blocks, max_num_batched_tokens=512, max_waiting=16,
+                                       tiers=tiers))
+
+
+@pytest.fixture
+def cores() -> Iterator[list[EngineCore]]:
+    made: list[EngineCore] = []
+    yield made
+    for c in made:
+        c.close()
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 8192) for _ in range(n)]
+
+
+def reference(lm: LoadedModel, ids: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens and the prompt's last logits from plain forwards (no reuse across requests)."""
+    dev = lm.device
+    with torch.inference_mode():
+        out = lm.model(torch.tensor([ids], device=dev), use_cache=True)
+        first = out.logits[0, -1].float().cpu().clone()
+        toks: list[int] = []
+        for _ in range(n):
+            toks.append(int(out.logits[0, -1].argmax()))
+            out = lm.model(torch.tensor([[toks[-1]]], device=dev), cache=out.cache, use_cache=True)
+    return toks, first
+
+
+def serve(core: EngineCore, rid: str, ids: list[int], params: SamplingParams = GREEDY,
+          ) -> tuple[list[int], torch.Tensor, Sequence]:
+    """Run one request to the end: its tokens, the logits its first token came from, the sequence."""
+    seq = core.new_sequence(rid, ids, params)
+    with core.lock:
+        core.add(seq)
+    got: torch.Tensor | None = None
+    toks: list[int] = []
+    deadline = time.monotonic() + 60
+    while rid in core.seqs:
+        assert time.monotonic() < deadline, "request did not finish"
+        with core.wake:
+            plan = core.schedule()
+            while plan.empty and core.scheduler.loading:
+                core.wake.wait(0.05)
+                plan = core.schedule()
+        if plan.empty:
+            continue
+        res = core.execute(plan)
+        if got is None and seq in res.logits:
+            got = res.logits[seq].float().cpu().clone()
+        with core.lock:
+            toks += [t for u in core.commit(plan, res) if u.seq is seq for t in u.token_ids]
+    assert got is not None
+    return toks, got, seq
+
+
+def events(core: EngineCore) -> list[KVEvent]:
+    with core.lock:
+        return core.take_events()
+
+
+def removed(evs: list[KVEvent], medium: str) -> set[int]:
+    return {h for e in evs if isinstance(e, BlockRemoved) and e.medium == medium for h in e.block_hashes}  # type: ignore[misc]
+
+
+def stored(evs: list[KVEvent], medium: str) -> set[int]:
+    return {h for e in evs if isinstance(e, BlockStored) and e.medium == medium for h in e.block_hashes}  # type: ignore[misc]
+
+
+def counter(core: EngineCore, name: str, tier: str = "") -> float:
+    assert core.tiers is not None
+    return core.tiers.counters().get(name, {}).get(tier, 0.0)
+
+
+BASE = prompt(1, 520)
+IDS = BASE[:496] + prompt(2, 37)  # 31 blocks of BASE's prefix, then 37 new tokens
+
+
+def warm(core: EngineCore) -> list[bytes]:
+    """Compute BASE once (its blocks registered on GPU); the 31 keys a request for IDS reuses."""
+    serve(core, "warm", BASE)
+    return core.new_sequence("k", IDS, GREEDY).keys[:31]
+
+
+def to_cpu(core: EngineCore) -> None:
+    assert core.tiers is not None
+    with core.lock:
+        core.blocks.evict_cached()
+    assert core.tiers.drain()
+
+
+def below_cpu(core: EngineCore) -> None:
+    """Everything on GPU down to CPU, then everything on CPU further down (DISK / REMOTE only)."""
+    to_cpu(core)
+    assert core.tiers is not None
+    core.tiers.demote_all()
+
+
+def check_exact(lm: LoadedModel, toks: list[int], logits: torch.Tensor, ids: list[int] = IDS) -> None:
+    ref_toks, ref_logits = reference(lm, ids, GREEDY.max_tokens)
+    assert toks == ref_toks
+    tol = 1e-4 if lm.device.type == "cpu" else 1e-3
+    assert torch.allclose(logits, ref_logits, atol=tol), (logits - ref_logits).abs().max()
+
+
+# ---------------------------------------------------------------------------------- correctness
+
+
+@pytest.mark.parametrize("tier", ["GPU", "CPU", "DISK", "REMOTE"])
+def test_prefix_from_each_tier_equals_full_recompute(lm: LoadedModel, tier: str, tmp_path: Path,
+                                                     request: pytest.FixtureRequest,
+                                                     cores: list[EngineCore]) -> None:
+    redis = request.getfixturevalue("redis") if tier == "REMOTE" else None
+    core = make_core(lm, tmp_path, disk=tier == "DISK", redis=redis)
+    cores.append(core)
+    warm(core)
+    if tier == "CPU":
+        to_cpu(core)
+    elif tier in ("DISK", "REMOTE"):
+        below_cpu(core)
+    assert core.tiers is not None
+    snap = core.tiers.snapshot()
+    assert tier == "GPU" or not core.blocks.by_key
+    if tier in ("DISK", "REMOTE"):
+        assert not snap[Tier.CPU] and len(snap[Tier[tier]]) == 32
+    toks, logits, seq = serve(core, "b", IDS)
+    u = seq.usage
+    assert u.loaded_tokens[tier] == 496 and u.recomputed_tokens == 37 and u.cached_tokens == 496
+    assert (u.load_ms > 0) == (tier != "GPU")
+    check_exact(lm, toks, logits)
+    if tier != "GPU":
+        assert counter(core, "loaded_blocks", tier) == 31
+
+
+def test_offload_events_and_cascade_order(lm: LoadedModel, tmp_path: Path, cores: list[EngineCore]) -> None:
+    """GPU eviction: BlockStored(CPU) before BlockRemoved(GPU); CPU eviction writes DISK first
+    (BlockStored(DISK)) and then drops the CPU copy; children go before their parents."""
+    core = make_core(lm, tmp_path, disk=True, cpu_blocks=40)
+    cores.append(core)
+    keys = warm(core)
+    events(core)
+    to_cpu(core)
+    evs = events(core)
+    kinds = [(type(e).__name__, getattr(e, "medium", None)) for e in evs]
+    assert kinds.index(("BlockStored", "CPU")) < kinds.index(("BlockRemoved", "GPU"))
+    assert stored(evs, "CPU") == removed(evs, "GPU")
+    serve(core, "other", prompt(5, 400))  # 25 blocks more: the CPU tier (40) overflows
+    to_cpu(core)
+    evs = events(core)
+    gone_cpu = removed(evs, "CPU")
+    assert gone_cpu and gone_cpu <= stored(evs, "DISK") | {digest64(k) for k in core.tiers.disk_keys}  # type: ignore[union-attr]
+    assert digest64(keys[0]) not in gone_cpu  # the chain's root is the most recent: it stays
+
+
+# ---------------------------------------------------------------------------------- faults
+
+
+def disk_loc(core: EngineCore, key: bytes) -> Any:
+    assert core.tiers is not None and core.tiers.disk is not None
+    return core.tiers.disk._index[key]
+
+
+def on_disk_only(lm: LoadedModel, tmp_path: Path, cores: list[EngineCore]) -> tuple[EngineCore, list[bytes]]:
+    core = make_core(lm, tmp_path, disk=True)
+    cores.append(core)
+    keys = warm(core)
+    below_cpu(core)
+    events(core)
+    return core, keys
+
+
+def served_from_disk_before(core: EngineCore, lm: LoadedModel, n_blocks: int) -> Sequence:
+    toks, logits, seq = serve(core, "b", IDS)
+    check_exact(lm, toks, logits)
+    assert seq.usage.loaded_tokens["DISK"] == n_blocks * BLOCK
+    assert seq.usage.recomputed_tokens == len(IDS) - n_blocks * BLOCK
+    return seq
+
+
+def test_corrupt_disk_block_is_a_miss(lm: LoadedModel, tmp_path: Path, cores: list[EngineCore]) -> None:
+    core, keys = on_disk_only(lm, tmp_path, cores)
+    loc = disk_loc(core, keys[10])
+    with open(loc.seg.path, "r+b") as f:  # one bit of the payload flipped (bit rot)
+        pos = loc.offset + 56 + loc.meta_len + 1000
+        f.seek(pos)
+        b = f.read(1)
+        f.seek(pos)
+        f.write(bytes([b[0] ^ 0x10]))
+    served_from_disk_before(core, lm, 10)
+    assert counter(core, "store_checksum_errors", "DISK") == 1
+    assert removed(events(core), "DISK") == {digest64(keys[10])}
+    assert counter(core, "load_fallback_blocks", "DISK") == 21
+
+
+def test_truncated_disk_segment_is_a_miss(lm: LoadedModel, tmp_path: Path, cores: list[EngineCore]) -> None:
+    core, keys = on_disk_only(lm, tmp_path, cores)
+    loc = disk_loc(core, keys[10])
+    os.truncate(loc.seg.path, loc.offset + 100)  # the index (metadata) survives, the data does not
+    served_from_disk_before(core, lm, 10)
+    assert counter(core, "store_truncated", "DISK") >= 1
+    assert digest64(keys[10]) in removed(events(core), "DISK")
+
+
+def test_vanished_segment_is_a_miss(lm: LoadedModel, tmp_path: Path, cores: list[EngineCore]) -> None:
+    core, keys = on_disk_only(lm, tmp_path, cores)
+    os.unlink(disk_loc(core, keys[0]).seg.path)  # everything was in one segment
+    served_from_disk_before(core, lm, 0)
+    assert counter(core, "store_io_errors", "DISK") == 1
+    assert {digest64(k) for k in keys} <= removed(events(core), "DISK")
+    assert core.tiers is not None and not core.tiers.disk_keys
+
+
+def test_full_disk_is_a_miss(lm: LoadedModel, tmp_path: Path, cores: list[EngineCore],
+                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from workers.engine.store import disk as disk_mod
+
+    def enospc(*a: object) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    core = make_core(lm, tmp_path, disk=True)
+    cores.append(core)
+    warm(core)
+    monkeypatch.setattr(disk_mod.os, "pwritev", enospc)
+    below_cpu(core)
+    evs = events(core)
+    assert not stored(evs, "DISK") and removed(evs, "CPU")  # nothing reached DISK; CPU still made room
+    assert counter(core, "store_io_errors", "DISK") >= 1
+    monkeypatch.undo()
+    served_from_disk_before(core, lm, 0)
+
+
+def test_restart_over_the_same_disk_directory(lm: LoadedModel, tmp_path: Path, cores: list[EngineCore]) -> None:
+    first = make_core(lm, tmp_path, disk=True)
+    keys = warm(first)
+    below_cpu(first)
+    first.close()
+    core = make_core(lm, tmp_path, disk=True)
+    cores.append(core)
+    evs = events(core)
+    assert stored(evs, "DISK") == {digest64(k) for k in first.tiers.disk_keys}  # type: ignore[union-attr]
+    assert {digest64(k) for k in keys} <= stored(evs, "DISK")
+    served_from_disk_before(core, lm, 31)
+
+
+def on_remote_only(lm: LoadedModel, tmp_path: Path, redis: RedisServer,
+                   cores: list[EngineCore]) -> tuple[EngineCore, list[bytes]]:
+    core = make_core(lm, tmp_path, redis=redis)
+    cores.append(core)
+    keys = warm(core)
+    below_cpu(core)
+    events(core)
+    return core, keys
+
+
+def remote_name(core: EngineCore, key: bytes) -> bytes:
+    assert core.tiers is not None
+    return core.tiers.remote._name(key)  # type: ignore[no-any-return]
+
+
+def served_from_remote_before(core: EngineCore, lm: LoadedModel, n_blocks: int) -> Sequence:
+    toks, logits, seq = serve(core, "b", IDS)
+    check_exact(lm, toks, logits)
+    assert seq.usage.loaded_tokens["REMOTE"] == n_blocks * BLOCK
+    assert seq.usage.recomputed_tokens == len(IDS) - n_blocks * BLOCK
+    return seq
+
+
+def test_corrupt_remote_value_is_a_miss(lm: LoadedModel, tmp_path: Path, redis: RedisServer,
+                                        cores: list[EngineCore]) -> None:
+    core, keys = on_remote_only(lm, tmp_path, redis, cores)
+    raw = redis.client()
+    name = remote_name(core, keys[7])
+    value = bytearray(raw.get(name))
+    value[-5] ^= 0xFF
+    raw.set(name, bytes(value))
+    served_from_remote_before(core, lm, 7)
+    assert counter(core, "store_checksum_errors", "REMOTE") == 1
+    assert digest64(keys[7]) in removed(events(core), "REMOTE")
+    assert not raw.exists(name)
+
+
+def test_missing_remote_block_is_a_miss(lm: LoadedModel, tmp_path: Path, redis: RedisServer,
+                                        cores: list[EngineCore]) -> None:
+    core, keys = on_remote_only(lm, tmp_path, redis, cores)
+    redis.client().delete(remote_name(core, keys[20]))  # expired / evicted by the server
+    served_from_remote_before(core, lm, 20)
+    assert digest64(keys[20]) in removed(events(core), "REMOTE")
+
+
+def test_remote_down_or_slow_is_a_miss(lm: LoadedModel, tmp_path: Path, cores: list[EngineCore]) -> None:
+    gen = _redis(tmp_path / "own")
+    server = next(gen)
+    try:
+        core, keys = on_remote_only(lm, tmp_path, server, cores)
+        server.pause()  # accepts, never answers: every call times out (0.2 s), then the breaker opens
+        t0 = time.monotonic()
+        served_from_remote_before(core, lm, 0)
+        assert time.monotonic() - t0 < 5
+        assert counter(core, "store_io_errors", "REMOTE") >= 1
+        server.resume()
+        server.stop()  # down: connection refused
+        before = counter(core, "store_io_errors", "REMOTE") + counter(core, "store_breaker_skips", "REMOTE")
+        toks, logits, seq = serve(core, "c", IDS)
+        check_exact(lm, toks, logits)
+        assert seq.usage.loaded_tokens["REMOTE"] == 0
+        after = counter(core, "store_io_errors", "REMOTE") + counter(core, "store_breaker_skips", "REMOTE")
+        assert after >= before  # counted (or skipped by the open breaker, without trying)
+        assert counter(core, "store_breaker_trips", "REMOTE") >= 1
+    finally:
+        gen.close()
+
+
+# ---------------------------------------------------------------------------------- prefetch
+
+
+def test_prefetch_then_request_counts_prefetched_tokens(lm: LoadedModel, tmp_path: Path,
+                                                        cores: list[EngineCore]) -> None:
+    core, keys = on_disk_only(lm, tmp_path, cores)
+    assert core.tiers is not None
+    with core.lock:
+        assert core.tiers.prefetch("p1", keys, 5.0) == 31
+        with pytest.raises(BadRequest):
+            core.tiers.prefetch("p1", keys, 5.0)
+    assert core.tiers.drain()
+    assert not core.tiers.prefetches and counter(core, "prefetch_blocks_landed") == 31
+    assert {digest64(k) for k in keys} <= stored(events(core), "GPU")
+    hits = core.tiers.disk.stats.hits  # type: ignore[union-attr]
+    toks, logits, seq = serve(core, "b", IDS)
+    check_exact(lm, toks, logits)
+    u = seq.usage
+    assert u.loaded_tokens["DISK"] == 496 and u.prefetched_tokens == 496 and u.loaded_tokens["GPU"] == 0
+    assert core.tiers.disk.stats.hits == hits  # type: ignore[union-attr]  # nothing read twice
+    with core.lock:
+        assert core.tiers.prefetch("p2", keys, 5.0) == 0  # all on GPU already
+
+
+def test_request_joins_a_prefetch_in_flight(lm: LoadedModel, tmp_path: Path, cores: list[EngineCore]) -> None:
+    core, keys = on_disk_only(lm, tmp_path, cores)
+    assert core.tiers is not None
+    link = core.tiers.links[Tier.DISK]
+    hits = core.tiers.disk.stats.hits  # type: ignore[union-attr]
+    with core.lock:  # the prefetch is queued (the link is held up by the lock) when the request arrives
+        assert core.tiers.prefetch("p", keys, 30.0) == 31
+        assert link.queued() == 1
+    toks, logits, seq = serve(core, "b", IDS)
+    check_exact(lm, toks, logits)
+    assert seq.usage.loaded_tokens["DISK"] == 496 and seq.usage.prefetched_tokens == 496
+    assert core.tiers.disk.stats.hits - hits == 31  # type: ignore[union-attr]  # one read per block
+
+
+def test_prefetch_queue_bound_cancel_and_deadline(lm: LoadedModel, tmp_path: Path, cores: list[EngineCore]) -> None:
+    core = make_core(lm, tmp_path, disk=True, prefetch_queue=1)
+    cores.append(core)
+    keys = warm(core)
+    below_cpu(core)
+    tiers = core.tiers
+    assert tiers is not None
+    with core.lock:  # nothing moves while we hold the lock
+        assert tiers.prefetch("a", keys[:10], 30.0) == 10
+        with pytest.raises(PrefetchQueueFull) as e:
+            tiers.prefetch("b", keys[10:], 30.0)
+        assert e.value.status == 429
+        assert tiers.cancel_prefetch("a") and not tiers.cancel_prefetch("a") and not tiers.cancel_prefetch("zz")
+    assert tiers.drain()
+    assert counter(core, "prefetch_blocks_landed") == 0 and not core.blocks.by_key
+    with core.lock:
+        assert tiers.prefetch("c", keys, 0.001) == 31
+    time.sleep(0.01)
+    assert tiers.drain()
+    assert counter(core, "prefetch_transfers_dropped") == 1 and counter(core, "prefetch_blocks_landed") == 0
+    assert core.blocks.available() == core.blocks.num_blocks  # every block it held came back
