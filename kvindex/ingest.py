@@ -282,10 +282,15 @@ class WorkerSubscriber:
         lost after its last frame (no later frame revealed the gap). Applies them and
         returns how many; 0 when nothing was missing, or no replay is possible."""
         start = self._expected
-        if self._replay_endpoint is None or start is None or self._catching_up:
+        if self._replay_endpoint is None or self._catching_up:
             return 0
         h = self.health
         h.tail_probes += 1
+        if start is None:  # nothing arrived live yet (frames sent before the subscription took)
+            before = h.batches
+            await self._catch_up(0, 0)
+            h.tail_recovered += h.batches - before
+            return h.batches - before
         self._catching_up = True
         try:
             replay = await self._fetch_replay(start)

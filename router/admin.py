@@ -11,7 +11,7 @@ from typing import Any
 
 import aiohttp
 import msgspec
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, Metric
 
 from .errors import ApiError, bad_request
 from .ingest_adapter import PoolIngest
@@ -122,7 +122,7 @@ def index_stats(models: ModelTable, ingest: PoolIngest | None) -> dict[str, Any]
     return out
 
 
-def state_gauges(pool: WorkerPool, models: ModelTable, ingest: PoolIngest | None) -> list[GaugeMetricFamily]:
+def state_gauges(pool: WorkerPool, models: ModelTable, ingest: PoolIngest | None) -> list[Metric]:
     """Scrape-time gauges read from the live objects (nothing updates them per request)."""
     health = GaugeMetricFamily("kvroute_worker_healthy", "1 if the worker is routable", labels=["worker", "model"])
     state = GaugeMetricFamily("kvroute_worker_state", "Worker state (1 for its current state)",
@@ -143,7 +143,7 @@ def state_gauges(pool: WorkerPool, models: ModelTable, ingest: PoolIngest | None
         entries.add_metric([rt.id], float(rt.index.entries()))
         cache.add_metric([rt.id], float(rt.tokenizer.cache.tokens))
         hits.add_metric([rt.id], float(rt.tokenizer.cache.stats.hit_tokens))
-    fams = [health, state, inflight, blocks, entries, cache, hits]
+    fams: list[Metric] = [health, state, inflight, blocks, entries, cache, hits]
     if ingest is not None:
         fams += list(ingest.metric_families())
     return fams

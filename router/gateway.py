@@ -20,7 +20,7 @@ from collections.abc import Coroutine, Mapping
 from typing import Any
 
 import aiohttp
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import Metric
 
 from . import admin
 from .admin_policy import LOOPBACK_HOSTS
@@ -333,7 +333,7 @@ class Gateway:
     def index_stats(self) -> dict[str, Any]:
         return admin.index_stats(self.models, self.ingest)
 
-    def _collect_state(self) -> list[GaugeMetricFamily]:
+    def _collect_state(self) -> list[Metric]:
         if self.pool is None:
             return []
         return admin.state_gauges(self.pool, self.models, self.ingest)

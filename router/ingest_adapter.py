@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import zmq.asyncio
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvindex.index import PrefixIndex
 from kvindex.ingest import IngestManager
@@ -25,13 +25,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvroute.ingest")
 
-_GAUGES = (
-    ("last_event_age_s", "kvroute_ingest_last_event_age_seconds", "Seconds since the worker's last KV-event batch"),
+# Per worker, from each subscriber's health. Counters restart from 0 when a worker is
+# subscribed afresh (Prometheus' rate() takes the reset in its stride).
+_COUNTERS = (
     ("batches", "kvroute_ingest_batches", "KV-event batches applied"),
     ("events", "kvroute_ingest_events", "KV events applied"),
     ("gaps", "kvroute_ingest_gaps", "Sequence gaps seen"),
     ("replays", "kvroute_ingest_replays", "Replay requests sent"),
     ("resyncs", "kvroute_ingest_resyncs", "Times the worker's entries were dropped and rebuilt"),
+    ("tail_probes", "kvroute_ingest_tail_probes", "Replays asked for after the last applied sequence"),
+    ("tail_recovered", "kvroute_ingest_tail_recovered", "Batches those probes found the live stream had lost"),
     ("decode_errors", "kvroute_ingest_decode_errors", "Payloads that were not event batches"),
     ("bad_events", "kvroute_ingest_bad_events", "Events the index rejected"),
     ("orphans", "kvroute_ingest_orphans", "Blocks stored under an unknown parent"),
@@ -99,7 +102,10 @@ class PoolIngest:
         if not sub.joined:
             return False
         last = sub.health.last_seq
-        return target_seq is None or (last is not None and last >= target_seq)
+        done = target_seq is None or (last is not None and last >= target_seq)
+        if not done:
+            sub.request_probe()  # the republished batch may have gone out before the subscription took
+        return done
 
     async def _add_after(self, pending: asyncio.Task[None], w: Worker) -> None:
         try:
@@ -140,21 +146,24 @@ class PoolIngest:
             out.update(m.health())
         return out
 
-    def metric_families(self) -> Iterable[GaugeMetricFamily]:
+    def metric_families(self) -> Iterable[Metric]:
         health = self.health()
-        fams = []
-        for key, name, doc in _GAUGES:
-            g = GaugeMetricFamily(name, doc, labels=["worker"])
+        fams: list[Metric] = []
+        for key, name, doc in _COUNTERS:
+            c = CounterMetricFamily(name, doc, labels=["worker"])
             for wid, h in health.items():
                 v = h.get(key)
                 if isinstance(v, (int, float)):
-                    g.add_metric([wid], float(v))
-            fams.append(g)
+                    c.add_metric([wid], float(v))
+            fams.append(c)
+        age = GaugeMetricFamily("kvroute_ingest_last_event_age_seconds",
+                                "Seconds since the worker's last KV-event batch (ingest lag)", labels=["worker"])
         live = GaugeMetricFamily("kvroute_ingest_live", "1 if the worker's event stream is live", labels=["worker"])
         for wid, h in health.items():
+            if isinstance(h.get("last_event_age_s"), (int, float)):
+                age.add_metric([wid], float(h["last_event_age_s"]))
             live.add_metric([wid], 1.0 if h.get("state") == "live" else 0.0)
-        fams.append(live)
-        return fams
+        return [*fams, age, live]
 
     async def close(self) -> None:
         if self._tasks:

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 _LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -95,7 +95,7 @@ class GatewayMetrics:
             c = self._per_model[key] = metric.labels(*labels)  # type: ignore[index]
         return c
 
-    def add_state_collector(self, fn: Callable[[], Iterable[GaugeMetricFamily]]) -> None:
+    def add_state_collector(self, fn: Callable[[], Iterable[Metric]]) -> None:
         self.registry.register(_FnCollector(fn))
 
     def render(self) -> bytes:
@@ -103,11 +103,11 @@ class GatewayMetrics:
 
 
 class _FnCollector(Collector):
-    def __init__(self, fn: Callable[[], Iterable[GaugeMetricFamily]]) -> None:
+    def __init__(self, fn: Callable[[], Iterable[Metric]]) -> None:
         self._fn = fn
 
-    def collect(self) -> Iterable[GaugeMetricFamily]:
+    def collect(self) -> Iterable[Metric]:
         return self._fn()
 
-    def describe(self) -> Iterable[GaugeMetricFamily]:
+    def describe(self) -> Iterable[Metric]:
         return []

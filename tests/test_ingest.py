@@ -620,3 +620,25 @@ async def test_the_owner_can_ask_for_a_probe(ctx, index):
     finally:
         await mgr.close()
         await pub.close()
+
+
+async def test_a_probe_finds_frames_sent_before_the_subscription_took(ctx, index):
+    """A republish answered before the SUB socket finished connecting: nothing arrives
+    live, so there is no sequence to continue from; the probe replays from the start."""
+    pub = VllmStylePublisher(ctx)
+    mgr, sub = await start(ctx, index, pub, tail_probe_s=None)
+    try:
+        a = Chain(160, 3)
+        await pub.publish([a.stored(0, 3)], deliver=False)  # seq 0, lost live
+        assert matched(index, a) == 0
+        mgr.probe("w")
+        await wait_until(lambda: matched(index, a) == 3, timeout=5.0)
+        h = mgr.health()["w"]
+        assert h["tail_recovered"] == 1 and h["resyncs"] == 0
+        assert pub.replay_requests[-1] == 0
+        await pub.publish([a.removed(2, 3)])  # seq 1: live goes on without a gap
+        await wait_until(lambda: matched(index, a) == 2)
+        assert mgr.health()["w"]["gaps"] == 0
+    finally:
+        await mgr.close()
+        await pub.close()
