@@ -1,17 +1,22 @@
 """The real engine behind the worker HTTP app, in-process on the tiny Llama (CPU): chat and
 completions, streaming with usage, `cached_tokens` on a repeated long prompt, /load's
 measured speeds, /info's namespace digest equal to the gateway's for the same model
-config, the /kv endpoints of stage 1, 429, client disconnects, shutdown, and the KV
-events the worker publishes (fetched through its replay socket) rebuilding its GPU
-block set in kvindex's PrefixIndex."""
+config, the /kv endpoints without and with tiers (prefetch, cancel, 429, peer export as
+JSON and as records), 429, client disconnects, shutdown, and the KV events the worker
+publishes (fetched through its replay socket) rebuilding its block set in every tier
+(GPU alone, then GPU + CPU + DISK + REMOTE through evictions, purges and faults) in
+kvindex's PrefixIndex and in a plain per-tier model."""
 from __future__ import annotations
 
 import asyncio
 import base64
+import io
 import json
 import random
 import time
+import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,14 +26,20 @@ import torch
 import zmq
 import zmq.asyncio
 
-from kvindex.events import EventDecoder, seq_from_bytes, seq_to_bytes
+from kvindex.events import BlockRemoved, BlockStored, EventDecoder, seq_from_bytes, seq_to_bytes
 from kvindex.index import PrefixIndex
 from kvindex.keys import Namespace, digests64
 from kvindex.tiers import Tier
+from workers.api import RECORDS_MEDIA_TYPE
+from workers.engine.blockio import read_records
 from workers.engine.core import EngineConfig, EngineCore
 from workers.engine.engine import TorchEngine
 from workers.engine.model import LoadedModel, ModelSpec, load_model
+from workers.engine.sequence import SamplingParams
 from workers.engine.server import EngineWorker, ServeOptions
+from workers.engine.store.disk import DiskConfig
+from workers.engine.testing import RedisServer, redis_binary
+from workers.engine.tiers import TierConfig
 
 REPO = Path(__file__).resolve().parent.parent
 TOKEN = "peer-secret"
@@ -51,6 +62,18 @@ async def start(lm: LoadedModel, *, calibrate: bool = False, **kw: object) -> En
     w = EngineWorker(engine, ServeOptions(peer_token=TOKEN))
     await w.start()
     return w
+
+
+@pytest.fixture(scope="module")
+def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    pytest.importorskip("redis")
+    if redis_binary() is None:
+        msg = "!!! REMOTE TIER TESTS SKIPPED: no redis-server on PATH; the REMOTE tier was NOT tested !!!"
+        warnings.warn(msg, stacklevel=1)
+        pytest.skip(msg)
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
 
 
 @pytest.fixture
@@ -158,14 +181,14 @@ async def test_load_speeds_and_info_digest_equal_the_gateways(worker: EngineWork
     assert info["block_bytes"] == m.cost.block_bytes
 
 
-async def test_kv_endpoints_of_stage_one(worker: EngineWorker, http: aiohttp.ClientSession) -> None:
+async def test_kv_endpoints_without_tiers(worker: EngineWorker, http: aiohttp.ClientSession) -> None:
     url = worker.url
     keys = base64.b64encode(bytes(64)).decode()
     st, body = await post(http, url + "/kv/prefetch", {"prefetch_id": "p1", "keys_b64": keys})
     assert st == 501 and body["error"]["code"] == "not_supported"
     async with http.post(url + "/kv/blocks", json={"keys_b64": keys},
                          headers={"Authorization": f"Bearer {TOKEN}"}) as r:
-        assert r.status == 501
+        assert r.status == 200 and (await r.json()) == {"blocks": [], "missing": 2}
     async with http.delete(url + "/kv/prefetch/p1") as r:
         assert r.status == 404
     await post(http, url + "/v1/completions", {"prompt": ids(3, 70), "max_tokens": 2, "cache_salt": "t:s"})
@@ -215,11 +238,35 @@ async def test_shutdown_ends_streams_with_an_error(lm: LoadedModel, http: aiohtt
         await (stopping if stopping is not None else w.stop())
 
 
-async def test_published_events_rebuild_the_gpu_block_set(lm: LoadedModel, http: aiohttp.ClientSession) -> None:
-    """A mixed workload on a small pool (evictions, shared prefixes, salts, a cancel, a purge),
-    then every batch the worker published, replayed from its first sequence number."""
-    w = await start(lm, block_size=4, num_blocks=48, max_num_batched_tokens=64)
+def tier_config(tmp: Path, redis: RedisServer | None, *, block_bytes: int, cpu_blocks: int,
+                disk_blocks: int, group: str = "g0") -> TierConfig:
+    from workers.engine.store.remote import RedisConfig
+
+    seg = 8 * (block_bytes + 300)  # ~8 blocks a segment: DISK evicts whole segments
+    return TierConfig(cpu_bytes=cpu_blocks * block_bytes,
+                      disk=DiskConfig(tmp / "disk", max(2 * seg, disk_blocks * (block_bytes + 300)),
+                                      segment_bytes=seg, admit_after=1),
+                      remote=RedisConfig(port=redis.port, group=group) if redis is not None else None,
+                      peer_token=TOKEN)
+
+
+@pytest.mark.parametrize("tiers", [False, True], ids=["gpu", "all-tiers"])
+async def test_published_events_rebuild_every_tier(lm: LoadedModel, http: aiohttp.ClientSession, tiers: bool,
+                                                   tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """A mixed workload on small tiers (evictions cascading GPU -> CPU -> DISK, REMOTE writes,
+    DISK segment evictions, shared prefixes, salts, a cancel, a purge, a corrupt DISK record
+    and a REMOTE block gone behind the worker's back), then every batch the worker published,
+    replayed from its first sequence number: applied to kvindex's PrefixIndex and to a
+    plain per-tier set, they give exactly what each tier holds (and the stores agree)."""
+    extra: dict[str, object] = {}
+    redis: RedisServer | None = None
+    if tiers:
+        redis = request.getfixturevalue("redis")
+        extra["tiers"] = tier_config(tmp_path, redis, block_bytes=4 * lm.kv.token_bytes, cpu_blocks=24,
+                                     disk_blocks=20)
+    w = await start(lm, block_size=4, num_blocks=48, max_num_batched_tokens=64, **extra)
     url = w.url + "/v1/completions"
+    core = w.engine.core
     try:
         bases = [ids(10 + i, 60) for i in range(3)]
         rng = random.Random(0)
@@ -230,43 +277,159 @@ async def test_published_events_rebuild_the_gpu_block_set(lm: LoadedModel, http:
                                        "max_tokens": rng.randint(1, 8), "ignore_eos": True}
             if i % 4 == 3:
                 body["cache_salt"] = "t:x"
-            await post(http, url, body)
+            st, b = await post(http, url, body)
+            assert st == 200, b
 
-        for wave in range(3):
+        for wave in range(4):
             await asyncio.gather(*(one(8 * wave + i) for i in range(8)))
             if wave == 1:
                 await post(http, w.url + "/kv/purge", {"cache_salt": "t:x"})
+            if wave == 2 and core.tiers is not None:
+                await asyncio.to_thread(core.tiers.drain)
+                damage(core, redis)
         async with http.post(url, json={"prompt": ids(99, 30), "max_tokens": 100, "stream": True}) as r:
             await r.content.readline()  # cancelled mid-way
-        await wait_until(lambda: not w.engine.core.seqs)
-        assert w.engine.core.blocks.evicted > 0
-        truth = w.engine.tiers_snapshot()[Tier.GPU]
-        assert truth
+        await wait_until(lambda: not core.seqs)
+        if core.tiers is not None:
+            await asyncio.to_thread(core.tiers.drain)
+        assert core.blocks.evicted > 0
+        truth = w.engine.tiers_snapshot()
+        assert truth[Tier.GPU]
+        if tiers:
+            assert core.tiers is not None and core.tiers.disk is not None and redis is not None
+            assert all(truth[t] for t in (Tier.CPU, Tier.DISK, Tier.REMOTE)), {t: len(v) for t, v in truth.items()}
+            assert core.tiers.stats.evicted["CPU"] and core.tiers.disk.stats.evicted  # both cascaded further
+            assert {k for k, _ in core.tiers.disk.scan()} == truth[Tier.DISK]  # the store agrees
+            await asyncio.to_thread(core.tiers.reconcile_remote)  # what went behind our back (its audit)
+            truth = w.engine.tiers_snapshot()
+            assert redis.keys(core.tiers.remote.config.prefix.decode()) == truth[Tier.REMOTE]
 
-        index = PrefixIndex(block_size=4)
         async with http.get(w.url + "/info") as r:
             info = await r.json()
-        index.add_worker("w0", bytes.fromhex(info["namespace_digest"]), 4)
+        index = PrefixIndex(block_size=4)
+        index.add_worker("w0", bytes.fromhex(info["namespace_digest"]), 4, remote_group=info["remote_group"])
+        model: dict[str, set[int]] = {t.name: set() for t in truth}
         for payload in await replay(info["events"]["replay_endpoint"]):
-            st = index.apply("w0", EventDecoder().decode(payload))
+            batch = EventDecoder().decode(payload)
+            st = index.apply("w0", batch)
+            for ev in batch.events:
+                if isinstance(ev, BlockStored):
+                    model[ev.medium].update(ev.block_hashes)  # type: ignore[arg-type]
+                elif isinstance(ev, BlockRemoved):
+                    unknown = set(ev.block_hashes) - model[ev.medium]  # type: ignore[arg-type]
+                    assert not unknown, (ev.medium, unknown)  # a removal always follows its store
+                    model[ev.medium].difference_update(ev.block_hashes)  # type: ignore[arg-type]
             assert st.orphans == 0 and st.bad_events == 0 and st.unknown_removed == 0, st
-        assert index.entries() == len(truth)
-        for d in digests64(list(truth)):
-            assert index.holders(d) == {"w0": [Tier.GPU]}
+        for t, keys in truth.items():
+            assert model[t.name] == set(digests64(list(keys))), t
+        assert index.entries() == sum(len(v) for v in truth.values())
+        held: dict[int, set[Tier]] = {}
+        for t, keys in truth.items():
+            for d in digests64(list(keys)):
+                held.setdefault(d, set()).add(t)
+        for d, ts in held.items():
+            assert set(index.holders(d).get("w0", [])) == ts, (d, ts, index.holders(d))
+        # a gateway that restarts asks for everything again: one batch rebuilds the same state
+        st, body = await post(http, w.url + "/kv/republish", {})
+        assert st == 200
+        fresh = PrefixIndex(block_size=4)
+        fresh.add_worker("w0", bytes.fromhex(info["namespace_digest"]), 4, remote_group=info["remote_group"])
+        batches = await replay(info["events"]["replay_endpoint"], body["seq"])
+        assert len(batches) == 1
+        st = fresh.apply("w0", EventDecoder().decode(batches[0]))
+        # what it cannot take: blocks still held whose parent has left every tier since (the
+        # incremental index knew the parent when they were stored); every device block is there
+        assert st.bad_events == 0 and fresh.entries() + st.orphans == index.entries()
+        assert all(fresh.holders(d).get("w0") for d in digests64(list(truth[Tier.GPU])))
     finally:
         await w.stop()
 
 
-async def replay(endpoint: str) -> list[bytes]:
-    """Every batch the publisher still buffers, from sequence 0, in order."""
+def damage(core: EngineCore, redis: RedisServer | None) -> None:
+    """A corrupt DISK record and a REMOTE block deleted behind the worker's back."""
+    tiers = core.tiers
+    assert tiers is not None and tiers.disk is not None and redis is not None
+    for key in list(tiers.disk_keys)[:2]:
+        loc = tiers.disk._index[key]
+        with open(loc.seg.path, "r+b") as f:
+            f.seek(loc.offset + 56 + loc.meta_len + 5)
+            f.write(b"\xff\xfe")
+    for key in list(tiers.remote_keys)[:2]:
+        redis.client().delete(tiers.remote._name(key))
+
+
+async def test_kv_endpoints_with_tiers(lm: LoadedModel, http: aiohttp.ClientSession, tmp_path: Path,
+                                      redis: RedisServer) -> None:
+    cfg = tier_config(tmp_path, redis, block_bytes=16 * lm.kv.token_bytes, cpu_blocks=64, disk_blocks=64,
+                      group="kv-http")
+    w = await start(lm, tiers=replace(cfg, prefetch_queue=1))
+    url = w.url
+    core = w.engine.core
+    try:
+        async with http.get(url + "/info") as r:
+            info = await r.json()
+        assert info["capabilities"] == ["prefetch", "peer_pull", "purge"] and info["remote_group"] == "kv-http"
+        prompt = ids(1, 200)
+        st, body = await post(http, url + "/v1/completions", {"prompt": prompt, "max_tokens": 2})
+        assert st == 200
+        keys = core.new_sequence("k", prompt, SamplingParams()).keys
+        kb64 = base64.b64encode(b"".join(keys)).decode()
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        async with http.post(url + "/kv/blocks", json={"keys_b64": kb64, "meta": True}, headers=auth) as r:
+            listing = await r.json()
+        assert [b["tier"] for b in listing["blocks"]] == ["GPU"] * 12 and listing["missing"] == 0
+        assert listing["blocks"][1]["meta"]["parent"] == keys[0].hex()
+        async with http.post(url + "/kv/blocks", json={"keys_b64": kb64},
+                             headers={**auth, "Accept": RECORDS_MEDIA_TYPE}) as r:
+            assert r.status == 200 and r.headers["content-type"] == RECORDS_MEDIA_TYPE
+            data = await r.read()
+        got = list(read_records(io.BytesIO(data).read, keys))
+        assert [k for k, _, _ in got] == keys and all(len(p) == core.pool.block_bytes for _, _, p in got)
+        async with http.post(url + "/kv/blocks", json={"keys_b64": kb64}, headers={"Accept": RECORDS_MEDIA_TYPE}) as r:
+            assert r.status == 401
+        await asyncio.to_thread(_below_cpu, core)
+        async with http.get(url + "/load") as r:
+            load = await r.json()
+        assert load["blocks"]["DISK"]["used"] == 12 and load["blocks"]["REMOTE"]["used"] == 12
+        assert load["blocks"]["CPU"]["used"] == 0 and set(load["tiers"]) == {"CPU", "DISK", "REMOTE", "PEER"}
+        with core.lock:  # hold the links: the first prefetch stays queued
+            st, body = await post(http, url + "/kv/prefetch", {"prefetch_id": "p1", "keys_b64": kb64,
+                                                               "deadline_ms": 10000})
+            assert st == 202 and body == {"prefetch_id": "p1", "accepted_blocks": 12, "queued": True}
+        st, body = await post(http, url + "/kv/prefetch", {"prefetch_id": "p1", "keys_b64": kb64})
+        assert st in (202, 400)
+        await wait_until(lambda: not core.tiers.prefetches)  # type: ignore[union-attr]
+        async with http.delete(url + "/kv/prefetch/p1") as r:
+            assert r.status == 404
+        st, body = await post(http, url + "/v1/completions", {"prompt": prompt, "max_tokens": 2})
+        kv = body["usage"]["kv"]
+        assert kv["loaded_tokens"]["DISK"] == 192 and kv["prefetched_tokens"] == 192
+        async with http.get(url + "/metrics") as r:
+            metrics = await r.text()
+        assert 'kvroute_worker_loaded_blocks_total{tier="DISK"}' in metrics
+        assert 'kvroute_worker_prefetch_blocks_landed_total 12.0' in metrics
+    finally:
+        await w.stop()
+
+
+def _below_cpu(core: EngineCore) -> None:
+    assert core.tiers is not None
+    with core.lock:
+        core.blocks.evict_cached()
+    core.tiers.drain()
+    core.tiers.demote_all()
+
+
+async def replay(endpoint: str, start: int = 0) -> list[bytes]:
+    """Every batch the publisher still buffers, from sequence `start`, in order."""
     ctx = zmq.asyncio.Context()
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.connect(endpoint)
     out: list[bytes] = []
     try:
-        await dealer.send_multipart([b"", seq_to_bytes(0)])
-        expect = 0
+        await dealer.send_multipart([b"", seq_to_bytes(start)])
+        expect = start
         while True:
             frames = await asyncio.wait_for(dealer.recv_multipart(), 5)
             seq = seq_from_bytes(frames[1])

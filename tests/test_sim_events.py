@@ -242,7 +242,7 @@ def test_a_republished_state_alone_rebuilds_every_routable_block(seed: int) -> N
         held = set().union(*snap.values())
         meta = {**(e.remote.meta if e.remote is not None else {}), **e.kv.meta}
 
-        def reachable(k: bytes) -> bool:
+        def reachable(k: bytes | None, held: set[bytes] = held, meta: dict = meta) -> bool:
             while k is not None:
                 if k not in held or k not in meta:
                     return False

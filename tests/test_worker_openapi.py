@@ -28,6 +28,7 @@ ROUTES = {
     ("/v1/models/{model_id}", "get"), ("/tokenize", "post"), ("/detokenize", "post"), ("/load", "get"),
     ("/info", "get"), ("/health", "get"), ("/metrics", "get"), ("/kv/prefetch", "post"),
     ("/kv/prefetch/{prefetch_id}", "delete"), ("/kv/blocks", "get"), ("/kv/blocks", "post"), ("/kv/purge", "post"),
+    ("/kv/republish", "post"),
 }
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
 

@@ -14,6 +14,10 @@ usage. Everything an engine needs to plug in is here:
   and `/load` bodies of docs/wire.md, as the `kvwire` structs the gateway decodes.
 - `counters()`: engine counters for `/metrics`.
 - `draining`: when True, new generations get 503 and `/health` says "draining".
+
+An engine that holds real KV data may also implement `BlockDataExporter`: then
+`/kv/blocks` asked with `Accept: application/x-kvroute-kv-records` streams the blocks'
+bytes (docs/wire.md § /kv/blocks); the simulated engine prices transfers and does not.
 """
 from __future__ import annotations
 
@@ -96,6 +100,19 @@ class BlockExport:
     tier: str
     nbytes: int
     meta: dict[str, Any] | None = None
+
+
+# The binary answer of /kv/blocks (records of workers/engine/store/record.py, one per block).
+RECORDS_MEDIA_TYPE = "application/x-kvroute-kv-records"
+
+
+class BlockDataExporter(Protocol):
+    """Optional engine extension: the KV bytes of blocks, for a peer pulling them."""
+
+    def export_block_data(self, keys: list[bytes]) -> AsyncIterator[bytes]:
+        """Records of the leading `keys` held here, in order, as byte chunks (stops at the
+        first key not held)."""
+        ...
 
 
 class Tokenizer(Protocol):

@@ -37,6 +37,25 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="where the default model's weights are generated (default $XDG_CACHE_HOME/kvroute)")
     ap.add_argument("--no-calibrate", action="store_true", help="skip the speed calibration at start")
     ap.add_argument("--log-level", default="warning")
+    t = ap.add_argument_group("KV tiers below the pool (docs/engine.md § Tiers)")
+    t.add_argument("--cpu-bytes", type=float, default=None,
+                   help="CPU DRAM tier size in bytes (pinned when on CUDA; default: none, or 1 GiB "
+                        "when --disk-dir or --remote-url is given)")
+    t.add_argument("--disk-dir", default=None, help="DISK tier directory (log-structured segments)")
+    t.add_argument("--disk-bytes", type=float, default=10 * 2**30, help="DISK tier capacity (default 10 GiB)")
+    t.add_argument("--disk-segment-bytes", type=float, default=64 * 2**20, help="DISK segment size (default 64 MiB)")
+    t.add_argument("--disk-admit-after", type=int, default=2,
+                   help="write a block to DISK on its N-th offload within 10 min (default 2; 1: always)")
+    t.add_argument("--disk-write-bytes-per-s", type=float, default=None, help="DISK write budget (SSD endurance)")
+    t.add_argument("--disk-fsync", default="close", choices=["never", "close", "segment", "record"])
+    t.add_argument("--remote-url", default=None,
+                   help="REMOTE tier: redis://[:password@]host:port[/db] (Redis >= 6.2 or Valkey)")
+    t.add_argument("--remote-group", default="default",
+                   help="workers sharing REMOTE blocks (same model deployment); in /info and the ready line")
+    t.add_argument("--remote-ttl", type=float, default=3600.0, help="REMOTE block TTL in s, renewed on hits")
+    t.add_argument("--remote-write", default="gpu-evict", choices=["gpu-evict", "cpu-evict"],
+                   help="write to REMOTE as a block leaves GPU (default) or as it leaves CPU")
+    t.add_argument("--prefetch-queue", type=int, default=16, help="prefetches in flight at most (429 beyond)")
 
 
 def check_arguments(a: argparse.Namespace) -> str | None:
@@ -55,4 +74,16 @@ def check_arguments(a: argparse.Namespace) -> str | None:
         return "--kv-bytes must be positive"
     if a.threads is not None and a.threads < 1:
         return "--threads must be positive"
+    if a.cpu_bytes is not None and a.cpu_bytes < 0:
+        return "--cpu-bytes must be >= 0"
+    if a.cpu_bytes == 0 and (a.disk_dir or a.remote_url):
+        return "--disk-dir and --remote-url need a CPU tier (--cpu-bytes > 0): it stages their writes"
+    if a.disk_dir and (a.disk_bytes < 2 * a.disk_segment_bytes or a.disk_segment_bytes <= 0):
+        return "--disk-bytes must be at least twice --disk-segment-bytes"
+    if a.disk_admit_after < 1:
+        return "--disk-admit-after must be >= 1"
+    if a.remote_url and not a.remote_url.startswith(("redis://", "rediss://")):
+        return "--remote-url must be redis://host:port[/db] or rediss://..."
+    if a.prefetch_queue < 0:
+        return "--prefetch-queue must be >= 0"
     return None

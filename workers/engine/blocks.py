@@ -47,6 +47,7 @@ class EvictedBlock:
     key: bytes
     meta: BlockMeta
     block_id: int
+    salt: str | None = None
 
 
 EvictHook = Callable[[list[EvictedBlock]], None]
@@ -172,19 +173,75 @@ class BlockManager:
     def purge(self, salt: str | None, everything: bool) -> int:
         """Unregister the blocks of chains salted with `salt` (or all): cached ones are freed at
         once, those in use when their last user releases them. Returns how many."""
+        return len(self.purge_keys(salt, everything))
+
+    def purge_keys(self, salt: str | None, everything: bool) -> list[bytes]:
+        """`purge`, returning the keys dropped."""
         if everything:
             victims = [b.id for b in self.blocks if b.key is not None]
         else:
             victims = sorted(self.by_salt.get(salt, ())) if salt else []
         if not victims:
-            return 0
+            return []
         keys = [self._unregister(bid) for bid in victims]
         for bid in victims:
             if self.blocks[bid].ref == 0:
                 del self.cached[bid]
                 self.free.append(bid)
         self.events.append(AllBlocksCleared() if everything else BlockRemoved(block_hashes(keys), "GPU"))
-        return len(victims)
+        return keys
+
+    # ------------------------------------------------------------------ blocks outside sequences
+
+    def take(self, n: int) -> list[int]:
+        """`n` unkeyed blocks held by the caller (a prefetch landing blocks): free ones first,
+        then evicted ones. The caller checked `available()`."""
+        return self._allocate(n) if n > 0 else []
+
+    def acquire(self, bid: int) -> None:
+        """One more reference to a block (a request joining a prefetch, a peer export)."""
+        self._acquire(bid)
+
+    def release_block(self, bid: int) -> None:
+        """Drop one reference; at zero a keyed block is cached (most recent), an unkeyed one freed."""
+        self._release_one(bid)
+
+    def adopt(self, items: list[tuple[int, bytes, BlockMeta, str | None]]) -> list[bool]:
+        """Register blocks the caller holds and filled (loaded from a lower tier or a peer), in
+        chain order: (block, key, metadata, salt). A block is registered only if its key is
+        not and its parent is (or it is a root). One BlockStored per chain run."""
+        out: list[bool] = []
+        new: list[bytes] = []
+        metas: dict[bytes, BlockMeta] = {}
+        for bid, key, meta, salt in items:
+            b = self.blocks[bid]
+            ok = (b.key is None and key not in self.by_key
+                  and (meta.parent is None or meta.parent in self.by_key))
+            if ok:
+                self._register(bid, key, meta, salt)
+                new.append(key)
+                metas[key] = meta
+            out.append(ok)
+        if new:
+            self.stored += len(new)
+            self.events.extend(stored_events(Tier.GPU, new, metas, self.block_size))
+        return out
+
+    def evict_cached(self, n: int | None = None) -> int:
+        """Evict the `n` (default: all) least recently used cached blocks down the tiers now
+        (`on_evict` sees them); returns how many. Benchmarks and tests use it."""
+        n = len(self.cached) if n is None else min(n, len(self.cached))
+        if n <= 0:
+            return 0
+        saved, self.free = self.free, deque()
+        try:
+            got = self._allocate(n)
+        finally:
+            self.free = saved
+        for bid in got:
+            self.blocks[bid].ref = 0
+            self.free.append(bid)
+        return n
 
     def take_events(self) -> list[KVEvent]:
         ev = self.events
@@ -219,7 +276,7 @@ class BlockManager:
                 bid, _ = self.cached.popitem(last=False)
                 b = self.blocks[bid]
                 assert b.key is not None and b.meta is not None
-                evicted.append(EvictedBlock(b.key, b.meta, bid))
+                evicted.append(EvictedBlock(b.key, b.meta, bid, b.salt))
                 self._unregister(bid)
             self.blocks[bid].ref = 1
             out.append(bid)

@@ -6,10 +6,15 @@ which blocks), `execute(plan)` (forwards and sampling: touches only the pool slo
 plan's sequences and their generators), `commit(plan, result)` (bookkeeping again:
 tokens appended, full blocks registered, stop conditions, finished sequences released).
 `step()` does all three, for tests and benchmarks.
+
+With lower tiers (`EngineConfig.tiers`, workers/engine/tiers.py) the core owns a
+`KVTiers` whose threads move blocks in and out of the pool; they share the core's
+`lock` (bookkeeping) and `wake` (a load landed: a waiting step can go on).
 """
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,11 +23,12 @@ import torch
 
 from kvindex.events import KVEvent
 from kvindex.keys import BlockHasher, Namespace
+from kvindex.tiers import Tier
 from kvwire import BlockCounts, LoadReport, NamespaceInfo, Speeds, WorkerInfo
 from workers.errors import BadRequest, QueueFull, RequestTooLarge
 from workers.usage import Usage
 
-from .blocks import BlockManager, EvictHook
+from .blocks import BlockManager, EvictedBlock, EvictHook
 from .detok import OutputText
 from .kvpool import KVPool
 from .model import LoadedModel
@@ -31,6 +37,7 @@ from .sampler import Sampler
 from .scheduler import Scheduler, StepPlan
 from .sequence import KeyScope, SamplingParams, SeqStatus, Sequence
 from .speeds import Ewma, PrefillFit
+from .tiers import KVTiers, TierConfig
 
 CPU_DEFAULT_KV_BYTES = 512 << 20
 CUDA_KV_FRACTION = 0.85  # of the device memory free after loading the weights...
@@ -47,6 +54,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_waiting: int = 64
     parallel: str = "tp1"
+    tiers: TierConfig | None = None  # CPU / DISK / REMOTE below the pool, peer pulls; None: GPU only
 
 
 @dataclass(slots=True)
@@ -101,17 +109,41 @@ class EngineCore:
         self.namespace = Namespace(lm.model_id, lm.revision, "", lm.dtype_name, cfg.parallel, cfg.block_size)
         self.hasher = BlockHasher.for_namespace(self.namespace)
         num_blocks = resolve_num_blocks(cfg, lm)
+        self.lock = threading.RLock()  # re-entrant: a store called under it may call back (on_drop)
+        self.wake = threading.Condition(self.lock)
+        self._clock = clock
         self.pool = KVPool(lm.kv, num_blocks, cfg.block_size, lm.device)
         self.blocks = BlockManager(num_blocks, cfg.block_size, on_evict=on_evict)
-        self.scheduler = Scheduler(self.blocks, cfg.max_num_batched_tokens, cfg.max_num_seqs)
+        self.prefill_fit = PrefillFit()
+        self.tiers: KVTiers | None = None
+        if cfg.tiers is not None and cfg.tiers.enabled:
+            self.tiers = KVTiers(cfg.tiers, pool=self.pool, blocks=self.blocks, namespace=self.namespace,
+                                 lock=self.lock, wake=self.wake, on_loaded=self._loaded,
+                                 prefill_cost=self.prefill_fit.predict,
+                                 prefill_samples=lambda: self.prefill_fit.samples, clock=clock)
+            offload = self.tiers.offload
+            if on_evict is not None:
+                user = on_evict
+
+                def both(evicted: list[EvictedBlock]) -> None:
+                    offload(evicted)
+                    user(evicted)
+
+                self.blocks.on_evict = both
+            else:
+                self.blocks.on_evict = offload
+        self.scheduler = Scheduler(self.blocks, cfg.max_num_batched_tokens, cfg.max_num_seqs, self.tiers)
         self.runner = ModelRunner(lm.model, self.pool, lm.device)
         self.sampler = Sampler()
-        self.prefill_fit = PrefillFit()
         self.decode_step = Ewma()
         self.stats = CoreStats()
         self.max_context = min(lm.max_positions, num_blocks * cfg.block_size)
         self.seqs: dict[str, Sequence] = {}
-        self._clock = clock
+
+    def close(self) -> None:
+        """Stop the tiers' threads (queued writes finish first) and close their stores."""
+        if self.tiers is not None:
+            self.tiers.close()
 
     # ------------------------------------------------------------------ requests
 
@@ -182,32 +214,79 @@ class EngineCore:
         if seq.status is SeqStatus.WAITING:
             self.scheduler.waiting.remove(seq)
             self._retire(seq)
+        elif seq.status is SeqStatus.LOADING and self.tiers is not None:
+            self.tiers.cancel(seq)  # released when its transfers moving now have landed
         return True
 
     # ------------------------------------------------------------------ the step
 
-    def step(self) -> list[SeqUpdate]:
-        plan = self.schedule()
+    def step(self, timeout: float = 60.0) -> list[SeqUpdate]:
+        """One whole step (tests, benchmarks): waits for loads in flight when nothing else can run."""
+        with self.wake:
+            plan = self.schedule()
+            deadline = time.monotonic() + timeout
+            while plan.empty and self.scheduler.loading and time.monotonic() < deadline:
+                self.wake.wait(0.05)
+                plan = self.schedule()
         if plan.empty:
             return []
-        return self.commit(plan, self.execute(plan))
+        result = self.execute(plan)
+        with self.lock:
+            return self.commit(plan, result)
 
     def schedule(self) -> StepPlan:
         self._reap()
         plan = self.scheduler.schedule()
         now = self._clock()
-        for seq in plan.admitted:
+        for seq in plan.admitted + plan.loading:
             if seq.first_scheduled is None:
                 seq.first_scheduled = now
             if seq.first_token is None:  # what the first token's prefill reused and computed
-                cached = seq.num_computed
-                seq.usage.loaded_tokens["GPU"] = cached
-                seq.usage.recomputed_tokens = seq.prompt_len - cached
+                self._account_admission(seq)
         self.stats.preemptions += len(plan.preempted)
         return plan
 
+    def _account_admission(self, seq: Sequence) -> None:
+        """Usage of the device prefix a sequence was admitted with; blocks a prefetch landed
+        count as loaded from the prefetch's source tier."""
+        u = seq.usage
+        bs = self.bs
+        g = seq.num_computed // bs
+        u.loaded_tokens = dict.fromkeys(u.loaded_tokens, 0)
+        u.prefetched_tokens = 0
+        credit = self.tiers.credit_gpu_hits(seq.keys[:g]) if self.tiers is not None else {}
+        for tier, n in credit.items():
+            u.loaded_tokens[tier.name] += n * bs
+            u.prefetched_tokens += n * bs
+        u.loaded_tokens["GPU"] = seq.num_computed - u.prefetched_tokens
+        u.recomputed_tokens = seq.prompt_len - seq.num_computed
+        seq.loaded_at = None
+
+    def _loaded(self, seq: Sequence, landed: int, by_tier: dict[Tier, int], prefetched: int) -> None:
+        """A LOADING sequence's transfers all ended (under the lock, on a link thread): its
+        leading `landed` loaded blocks join its prefix, the rest is recomputed."""
+        bs = self.bs
+        self.scheduler.loading.remove(seq)
+        seq.num_computed += landed * bs
+        seq.loaded_at = self._clock()
+        self.blocks.commit(seq)  # registers the loaded blocks (BlockStored GPU)
+        if seq.aborted:
+            self.blocks.release(seq)
+            self._retire(seq)
+            return
+        if seq.first_token is None:
+            u = seq.usage
+            for tier, n in by_tier.items():
+                u.loaded_tokens[tier.name] += n * bs
+            u.prefetched_tokens += prefetched * bs
+            u.recomputed_tokens = seq.prompt_len - seq.num_computed
+        seq.status = SeqStatus.RUNNING
+        self.scheduler.running.append(seq)
+
     def execute(self, plan: StepPlan) -> StepResult:
         """Forwards and sampling (no bookkeeping: safe without the caller's lock)."""
+        if self.tiers is not None and self.tiers.cuda:
+            self.tiers.before_compute()
         res = StepResult()
         done: list[Sequence] = []
         rows: list[torch.Tensor] = []
@@ -297,9 +376,10 @@ class EngineCore:
         sched = seq.first_scheduled if seq.first_scheduled is not None else arrival
         first = seq.first_token if seq.first_token is not None else sched
         last = seq.last_token if seq.last_token is not None else first
+        loaded = seq.loaded_at if seq.loaded_at is not None else sched
         u.queue_ms = (sched - arrival) * 1e3
-        u.load_ms = 0.0  # every reused block is already on GPU (stage 2 loads from lower tiers)
-        u.prefill_ms = (first - sched) * 1e3
+        u.load_ms = (loaded - sched) * 1e3
+        u.prefill_ms = (first - loaded) * 1e3
         u.ttft_ms = (first - arrival) * 1e3
         u.decode_ms = (last - first) * 1e3
 
@@ -346,7 +426,11 @@ class EngineCore:
     # ------------------------------------------------------------------ KV
 
     def purge(self, cache_salt: str | None, everything: bool) -> int:
-        return self.blocks.purge(cache_salt, everything)
+        """Drop the salt's blocks (or all) from every tier; distinct blocks dropped (under the lock)."""
+        keys = self.blocks.purge_keys(cache_salt, everything)
+        if self.tiers is None:
+            return len(keys)
+        return self.tiers.purge(cache_salt, everything, keys)
 
     def take_events(self) -> list[KVEvent]:
         return self.blocks.take_events()
@@ -359,6 +443,7 @@ class EngineCore:
         budget-sized step while sequences decode alongside."""
         pending = [(s.num_tokens - s.gpu_hint, s.gpu_hint) for s in self.scheduler.waiting]
         pending += [(s.num_uncomputed, s.num_computed) for s in self.scheduler.running if s.num_uncomputed > 1]
+        pending += [self._after_load(s) for s in self.scheduler.loading]
         tokens = sum(n for n, _ in pending)
         if not tokens:
             return 0.0
@@ -367,6 +452,12 @@ class EngineCore:
         if decoding and self.decode_step.value is not None:
             t += math.ceil(tokens / self.cfg.max_num_batched_tokens) * self.decode_step.value
         return t
+
+    def _after_load(self, seq: Sequence) -> tuple[int, int]:
+        """(tokens left to prefill, context) of a LOADING sequence if its loads all land."""
+        load = seq.loading
+        done = seq.num_computed + (len(load.sources) * self.bs if load is not None else 0)
+        return seq.num_tokens - done, done
 
     def speeds(self) -> Speeds:
         co = self.prefill_fit.coefficients()
@@ -381,18 +472,23 @@ class EngineCore:
     def load_report(self) -> LoadReport:
         sched = self.scheduler
         b = self.blocks
+        blocks = {"GPU": BlockCounts(b.used(), b.num_blocks - b.used(), b.num_blocks)}
+        tiers = self.tiers
+        if tiers is not None:
+            blocks.update(tiers.blocks_report())
         return LoadReport(
             worker_id=self.cfg.worker_id,
             ts=time.time(),
             waiting_requests=len(sched.waiting),
             waiting_prefill_tokens=sum(s.num_tokens - s.gpu_hint for s in sched.waiting),
-            running_requests=len(sched.running),
-            running_prefill_tokens=sum(s.num_uncomputed for s in sched.running if s.num_uncomputed > 1),
+            running_requests=len(sched.running) + len(sched.loading),
+            running_prefill_tokens=(sum(s.num_uncomputed for s in sched.running if s.num_uncomputed > 1)
+                                    + sum(self._after_load(s)[0] for s in sched.loading)),
             est_queue_s=self.estimate_queue_s(),
-            blocks={"GPU": BlockCounts(b.used(), b.num_blocks - b.used(), b.num_blocks)},
+            blocks=blocks,
             speeds=self.speeds(),
-            tiers={},
-            prefetch_queue=0,
+            tiers=tiers.links_report() if tiers is not None else {},
+            prefetch_queue=len(tiers.prefetches) if tiers is not None else 0,
             max_waiting=self.cfg.max_waiting,
             block_size=self.bs,
         )
@@ -413,8 +509,15 @@ class EngineCore:
             block_bytes=self.pool.block_bytes,
             max_context_tokens=self.max_context,
             kv_capacity_tokens=self.blocks.num_blocks * self.bs,
-            capabilities=["purge"],
+            remote_group=self.tiers.remote_group if self.tiers is not None else None,
+            capabilities=self.capabilities(),
         )
+
+    def capabilities(self) -> list[str]:
+        tiers = self.tiers
+        if tiers is None:
+            return ["purge"]
+        return ["prefetch", "peer_pull", "purge"] if Tier.PEER in tiers.links else ["prefetch", "purge"]
 
 
 def resolve_num_blocks(cfg: EngineConfig, lm: LoadedModel) -> int:

@@ -6,29 +6,38 @@ come back through `call_soon_threadsafe` and are pushed into the streams. KV eve
 taken from the core under its lock and published from the event loop, in the order the
 core recorded them, so a subscriber never sees a block removed before it was stored.
 
-Stage 1 serves the GPU tier only: `/kv/prefetch` and `/kv/blocks` answer 501 and are not
-advertised; `/kv/purge` works.
+With lower tiers (workers/engine/tiers.py) the tiers' threads change state too: they
+ask for a flush of the events through `call_soon_threadsafe`. `/kv/prefetch` asks the
+REMOTE server (and the source peer, over HTTP) which blocks they hold before queueing
+the transfers; `/kv/blocks` lists what this worker holds, or streams the blocks' records
+(`export_block_data`). Without tiers (GPU only) `/kv/prefetch` answers 501.
 """
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 from collections import deque
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from kvindex.events import KVEvent
 from kvindex.tiers import Tier
 from kvwire import LoadReport, WorkerInfo
 from workers.api import BlockExport, GenChunk, GenRequest, PrefetchResult, PrefetchSpec
-from workers.errors import BadRequest, Draining, EngineError
+from workers.errors import BadRequest, Draining, EngineError, PrefetchQueueFull
+from workers.sim.blockmeta import state_events
+from workers.sim.driver import meta_to_json
 from workers.usage import Usage
 
+from .blockio import record_of
 from .core import EngineCore, SeqUpdate
 from .loop import EngineThread
 from .model import EngineTokenizer
 from .sequence import SamplingParams, Sequence
 
 log = logging.getLogger(__name__)
+_EXPORT_CHUNK = 16  # blocks read per thread hop of a peer export
 
 
 class NotSupported(EngineError):
@@ -145,6 +154,7 @@ class TorchEngine:
         self._streams: dict[str, TorchStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._started = False
+        self._http: Any = None  # aiohttp session for peers (created on first use)
 
     @property
     def tokenizer(self) -> EngineTokenizer:
@@ -156,10 +166,13 @@ class TorchEngine:
         if self._started:
             return
         self._loop = asyncio.get_running_loop()
+        if self.core.tiers is not None:
+            self.core.tiers.on_change = self._tiers_changed
         if self._calibrate:
             await asyncio.to_thread(self.core.calibrate)
         self._thread.start()
         self._started = True
+        self._flush_events()  # what a restarted DISK tier found
 
     async def close(self) -> None:
         """Stop: every request in flight ends with an explicit error, then the thread ends."""
@@ -170,6 +183,11 @@ class TorchEngine:
         if self._started:
             await asyncio.to_thread(self._thread.stop)
             self._started = False
+        await asyncio.to_thread(self.core.close)
+        self._flush_events()
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
 
     # ------------------------------------------------------------------ requests
 
@@ -239,13 +257,75 @@ class TorchEngine:
         if events and self.on_events is not None:
             self.on_events(events)
 
+    def _tiers_changed(self) -> None:
+        """Called by the tiers' threads after a change: publish its events from the loop."""
+        loop = self._loop
+        if loop is None:
+            return
+        try:
+            loop.call_soon_threadsafe(self._flush_events)
+        except RuntimeError:  # the loop closed at shutdown
+            pass
+
     # ------------------------------------------------------------------ KV
 
     async def prefetch(self, spec: PrefetchSpec) -> PrefetchResult:
-        raise NotSupported("/kv/prefetch is not supported by this engine yet (GPU tier only)", param="keys_b64")
+        """Queue transfers raising the leading blocks toward the pool: from CPU or DISK, from
+        REMOTE (those the server holds), else from `source_peer` (those it holds)."""
+        tiers = self.core.tiers
+        if tiers is None:
+            raise NotSupported("/kv/prefetch needs lower tiers or a peer token on this worker", param="keys_b64")
+        if spec.source_peer is not None and Tier.PEER not in tiers.links:
+            raise BadRequest("cannot pull from a peer: no peer token configured", param="source_peer")
+        with self._thread.lock:
+            if spec.prefetch_id in tiers.prefetches:
+                raise BadRequest(f"prefetch {spec.prefetch_id!r} is already in flight", param="prefetch_id")
+            if len(tiers.prefetches) >= tiers.cfg.prefetch_queue:
+                raise PrefetchQueueFull(f"{len(tiers.prefetches)} prefetches in flight", retry_after=1.0)
+            far = [k for k in spec.keys if not tiers.local(k) and k not in tiers.inflight]
+        remote_present: set[bytes] | None = None
+        if tiers.remote is not None and far:
+            found = await asyncio.to_thread(tiers.remote.contains, far)
+            remote_present = {k for k, f in zip(far, found, strict=True) if f}
+            far = [k for k in far if k not in remote_present]
+        peer_held: set[bytes] | None = None
+        url = None
+        if spec.source_peer is not None and far:
+            url = spec.source_peer.url.rstrip("/")
+            peer_held = await self._peer_holdings(url, far)
+        with self._thread.lock:
+            n = tiers.prefetch(spec.prefetch_id, spec.keys, spec.deadline_s, remote_present=remote_present,
+                               peer_url=url, peer_held=peer_held)
+        self._flush_events()  # room made for it may have evicted blocks
+        return PrefetchResult(spec.prefetch_id, n, n > 0)
+
+    async def _peer_holdings(self, url: str, keys: list[bytes]) -> set[bytes]:
+        """Which of `keys` the peer holds (its /kv/blocks listing)."""
+        import aiohttp
+
+        tiers = self.core.tiers
+        assert tiers is not None
+        if self._http is None:
+            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=tiers.cfg.peer_timeout_s))
+        body = {"keys_b64": base64.b64encode(b"".join(keys)).decode()}
+        headers = {"Authorization": f"Bearer {tiers.cfg.peer_token}"}
+        try:
+            async with self._http.post(url + "/kv/blocks", json=body, headers=headers) as r:
+                if r.status != 200:
+                    raise BadRequest(f"peer {url} answered {r.status} to /kv/blocks", param="source_peer")
+                data = await r.json()
+            return {bytes.fromhex(b["key"]) for b in data["blocks"]}
+        except (TimeoutError, aiohttp.ClientError) as e:
+            raise BadRequest(f"peer {url} unreachable: {e!r}", param="source_peer") from None
+        except (KeyError, ValueError, TypeError) as e:
+            raise BadRequest(f"peer {url} sent a malformed /kv/blocks answer: {e!r}", param="source_peer") from None
 
     def cancel_prefetch(self, prefetch_id: str) -> bool:
-        return False
+        tiers = self.core.tiers
+        if tiers is None:
+            return False
+        with self._thread.lock:
+            return tiers.cancel_prefetch(prefetch_id)
 
     def purge(self, cache_salt: str | None, everything: bool) -> int:
         with self._thread.lock:
@@ -254,12 +334,62 @@ class TorchEngine:
         return n
 
     def export_blocks(self, keys: list[bytes], with_meta: bool = False) -> list[BlockExport]:
-        raise NotSupported("/kv/blocks (peer export) is not supported by this engine yet", param="keys_b64")
+        """Which of `keys` this worker holds (GPU, CPU, DISK), with metadata when at hand."""
+        core = self.core
+        bb = core.pool.block_bytes
+        with self._thread.lock:
+            if core.tiers is not None:
+                held = core.tiers.locate(keys)
+            else:
+                by_key = core.blocks.by_key
+                held = [(k, Tier.GPU, core.blocks.blocks[by_key[k]].meta) for k in keys if k in by_key]
+        return [BlockExport(k, t.name, bb, meta_to_json(m, core.bs) if with_meta and m is not None else None)
+                for k, t, m in held]
+
+    async def export_block_data(self, keys: list[bytes]) -> AsyncIterator[bytes]:
+        """The records of the leading `keys` held here (peer pull), a few blocks per chunk."""
+        tiers = self.core.tiers
+        if tiers is None:
+            return
+        for i in range(0, len(keys), _EXPORT_CHUNK):
+            batch = keys[i : i + _EXPORT_CHUNK]
+            got = await asyncio.to_thread(tiers.export, batch)
+            if got:
+                yield b"".join(record_of(k, m, p) for k, m, p in got)
+            if len(got) < len(batch):
+                return
+
+    def republish(self) -> int:
+        """Everything held, published as one batch (`AllBlocksCleared`, then every block of
+        every tier after its parent): a gateway that restarted rebuilds this worker from it.
+        Events pending go out first. Returns the batch's sequence number (-1: no publisher)."""
+        core = self.core
+        with self._thread.lock:
+            pending = core.take_events()
+            held = {Tier.GPU: core.blocks.snapshot()}
+            metas = {}
+            if core.tiers is not None:
+                held.update(core.tiers.snapshot())
+                metas = core.tiers.metas()
+            for k, b in core.blocks.by_key.items():
+                m = core.blocks.blocks[b].meta
+                if m is not None:
+                    metas[k] = m
+            state = state_events(held, metas, core.bs)
+            publish = getattr(self.publisher_stats, "publish", None)
+            if publish is None:
+                return -1
+            if pending:
+                publish(pending)
+            return int(publish(state))
 
     def tiers_snapshot(self) -> dict[Tier, set[bytes]]:
-        """Keys held per tier (GPU only in stage 1): what the published events describe."""
+        """Keys held per tier: what the published events describe."""
         with self._thread.lock:
-            return {Tier.GPU: self.core.blocks.snapshot()}
+            out = {Tier.GPU: self.core.blocks.snapshot()}
+            if self.core.tiers is not None:
+                out.update(self.core.tiers.snapshot())
+            return out
 
     # ------------------------------------------------------------------ reports
 
@@ -287,6 +417,12 @@ class TorchEngine:
                 "stored_blocks": {"GPU": b.stored},
                 "evicted_blocks": {"GPU": b.evicted},
             }
+            tiers = self.core.tiers
+            if tiers is not None:
+                names = {t.name for t in tiers.links} - {"PEER"}
+                out["stored_blocks"].update({k: v for k, v in tiers.stats.stored.items() if k in names})
+                out["evicted_blocks"].update({k: v for k, v in tiers.stats.evicted.items() if k in names})
+                out.update(tiers.counters())
         pub = self.publisher_stats
         if pub is not None:
             out["event_batches"] = {"": getattr(pub, "batches", 0)}

@@ -6,7 +6,9 @@ bookkeeping only (`schedule`, `commit`, and the asyncio side's submit / abort / 
 reports), never during a forward: a refusal (429, 400) is decided at once against the
 real queue, and a purge or a report waits for milliseconds, not for a step. Results go
 out through `on_step`, called on this thread after each step; the adapter hands them to
-the event loop with `call_soon_threadsafe` (a thread-safe queue of callbacks).
+the event loop with `call_soon_threadsafe` (a thread-safe queue of callbacks). The lock
+and its condition are the core's: the tiers' link threads take it to land loads and wake
+this thread when a request's blocks have arrived.
 
 A step that raises fails the requests in it (each gets an error, their blocks are freed)
 and the thread carries on; an error in the bookkeeping itself fails everything in flight.
@@ -27,8 +29,8 @@ class EngineThread:
     def __init__(self, core: EngineCore, on_step: Callable[[list[SeqUpdate]], None], name: str = "engine") -> None:
         self.core = core
         self.on_step = on_step
-        self.lock = threading.Lock()
-        self._wake = threading.Condition(self.lock)
+        self.lock = core.lock  # shared with the tiers' threads (workers/engine/tiers.py)
+        self._wake = core.wake  # notified when a load lands, too
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 

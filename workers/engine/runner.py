@@ -8,8 +8,8 @@ costs little next to one forward per sequence, and the results equal each sequen
 alone to ~1e-5 (tests/test_engine_core.py).
 
 Only the last position's logits are computed (`logits_to_keep=1`). Every timing covers
-building the inputs and the forward, between device synchronisations, so on CUDA it
-measures the work, not its launch.
+building the inputs and the forward, between synchronisations of the compute stream, so
+on CUDA it measures the work, not its launch (and not the tiers' copies on their streams).
 """
 from __future__ import annotations
 
@@ -82,6 +82,6 @@ class ModelRunner:
         return logits
 
     def _now(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":  # this stream only: the tiers' copies run on their own streams
+            torch.cuda.current_stream(self.device).synchronize()
         return time.perf_counter()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -83,6 +84,7 @@ class SeqStatus(enum.Enum):
     WAITING = 1
     RUNNING = 2
     FINISHED = 3
+    LOADING = 4  # admitted, its cached prefix moving up from lower tiers (vLLM's WAITING_FOR_REMOTE_KVS)
 
 
 @dataclass(eq=False, slots=True)
@@ -106,6 +108,8 @@ class Sequence:
     finish_reason: str | None = None
     preemptions: int = 0
     first_scheduled: float | None = None
+    loaded_at: float | None = None  # when its loads from lower tiers ended (None: it loaded nothing)
+    loading: Any = None  # its load in flight (workers/engine/tiers.py `Load`) while LOADING
     first_token: float | None = None
     last_token: float | None = None
     generator: torch.Generator | None = None

@@ -13,8 +13,10 @@ import logging
 import os
 import signal
 import sys
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import uvicorn
 
@@ -24,6 +26,9 @@ from workers.cluster import _bind, _Server, _url
 from workers.publisher import KVEventPublisher
 
 from .engine import TorchEngine
+
+if TYPE_CHECKING:
+    from .tiers import TierConfig
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +98,9 @@ class EngineWorker:
         pub = self.publisher
         events = pub.endpoint if pub is not None else "-"
         replay = pub.replay_endpoint if pub is not None and pub.replay_endpoint else "-"
-        return f"worker {self.worker_id} url={self.url} events={events} replay={replay} remote_group=-"
+        tiers = self.engine.core.tiers
+        group = tiers.remote_group if tiers is not None and tiers.remote_group else "-"
+        return f"worker {self.worker_id} url={self.url} events={events} replay={replay} remote_group={group}"
 
     async def stop(self) -> None:
         """Requests in flight end with an error event, then the server and the publisher stop."""
@@ -144,8 +151,42 @@ def build_engine(a: argparse.Namespace) -> TorchEngine:
         max_num_batched_tokens=a.max_num_batched_tokens,
         max_num_seqs=a.max_num_seqs,
         max_waiting=a.max_waiting,
+        tiers=tier_config(a),
     )
     return TorchEngine(EngineCore(load_model(spec), cfg), calibrate=not a.no_calibrate)
+
+
+def tier_config(a: argparse.Namespace) -> TierConfig | None:
+    """The tiers the flags ask for (None: GPU only, no peer token)."""
+    from .store.disk import DiskConfig
+    from .tiers import TierConfig
+
+    token = peer_token_of(a)
+    cpu = a.cpu_bytes
+    if cpu is None:
+        cpu = float(1 << 30) if (a.disk_dir or a.remote_url) else 0.0
+    disk = None
+    if a.disk_dir:
+        disk = DiskConfig(Path(a.disk_dir).expanduser(), int(a.disk_bytes), segment_bytes=int(a.disk_segment_bytes),
+                          admit_after=a.disk_admit_after, max_write_bytes_per_s=a.disk_write_bytes_per_s,
+                          fsync=a.disk_fsync)
+    remote = None
+    if a.remote_url:
+        from .store.remote import RedisConfig
+
+        u = urllib.parse.urlsplit(a.remote_url)
+        db = int(u.path.strip("/") or 0)
+        remote = RedisConfig(host=u.hostname or "127.0.0.1", port=u.port or 6379, db=db, username=u.username or None,
+                             password=u.password, ssl=u.scheme == "rediss", group=a.remote_group,
+                             ttl_s=a.remote_ttl if a.remote_ttl > 0 else None)
+    if not cpu and token is None:
+        return None
+    return TierConfig(cpu_bytes=int(cpu), disk=disk, remote=remote, remote_write=a.remote_write,
+                      prefetch_queue=a.prefetch_queue, peer_token=token)
+
+
+def peer_token_of(a: argparse.Namespace) -> str | None:
+    return a.peer_token or os.environ.get("KVROUTE_PEER_TOKEN") or None
 
 
 async def serve(a: argparse.Namespace) -> int:
@@ -154,12 +195,11 @@ async def serve(a: argparse.Namespace) -> int:
 
     try:
         engine = await asyncio.to_thread(build_engine, a)
-    except (ModelError, ValueError) as e:
+    except (ModelError, ValueError, RuntimeError, OSError) as e:  # RuntimeError: a DISK directory in use
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"engine: {describe(engine)}", file=sys.stderr, flush=True)
-    opts = ServeOptions(host=a.host, port=a.port, events_port=a.events_port,
-                        peer_token=a.peer_token or os.environ.get("KVROUTE_PEER_TOKEN") or None)
+    opts = ServeOptions(host=a.host, port=a.port, events_port=a.events_port, peer_token=peer_token_of(a))
     worker = EngineWorker(engine, opts)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -181,5 +221,18 @@ def describe(engine: TorchEngine) -> str:
     """One line about what is being served (device, dtype, pool)."""
     core = engine.core
     lm = core.lm
+    tiers = core.tiers
+    below = ""
+    if tiers is not None:
+        parts = []
+        if tiers.host is not None:
+            parts.append(f"CPU {tiers.host.capacity} blocks")
+        if tiers.disk is not None and tiers.cfg.disk is not None:
+            parts.append(f"DISK {tiers.cfg.disk.path} ({len(tiers.disk_keys)} blocks found)")
+        if tiers.remote is not None:
+            parts.append(f"REMOTE group {tiers.remote_group}")
+        if tiers.cfg.peer_token is not None:
+            parts.append("peer pull")
+        below = "; tiers: " + ", ".join(parts)
     return (f"model {lm.model_id} from {lm.folder} on {lm.device} ({lm.dtype_name}); "
-            f"KV pool {core.blocks.num_blocks} blocks x {core.bs} tokens ({core.pool.block_bytes} B/block)")
+            f"KV pool {core.blocks.num_blocks} blocks x {core.bs} tokens ({core.pool.block_bytes} B/block)" + below)

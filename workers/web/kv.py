@@ -2,6 +2,8 @@
 
 Peer export is authenticated with a bearer token shared by the fleet: without one
 configured it is off (403), since it tells a caller which prompts this worker has seen.
+Asked with `Accept: application/x-kvroute-kv-records`, an engine holding real KV data
+(`BlockDataExporter`, the torch engine) streams the blocks themselves (docs/wire.md).
 """
 from __future__ import annotations
 
@@ -10,9 +12,9 @@ from typing import Any
 
 import msgspec
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 
-from workers.api import Engine, PeerRef, PrefetchSpec
+from workers.api import RECORDS_MEDIA_TYPE, Engine, PeerRef, PrefetchSpec
 from workers.errors import BadRequest, NotFound
 from workers.schema import BlocksBody, PrefetchBody, PurgeBody
 
@@ -57,6 +59,12 @@ class KVHandlers:
             return refused
         keys_b64, with_meta = await self._blocks_query(request)
         keys = keys_from_b64(keys_b64, self.limits.max_blocks)
+        if RECORDS_MEDIA_TYPE in request.headers.get("accept", ""):
+            exporter = getattr(self.engine, "export_block_data", None)
+            if exporter is None:
+                return error_response(406, "this worker does not export KV data (it holds none)",
+                                      code="not_acceptable")
+            return StreamingResponse(exporter(keys), media_type=RECORDS_MEDIA_TYPE)
         held = self.engine.export_blocks(keys, with_meta)
         out = []
         for x in held:
