@@ -34,6 +34,12 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy kvindex kvwire router workers loadtest kvroute
 
+# The adversarial suite (docs/harden.md): a real gateway and workers, every case, one table;
+# exit 1 on any hung/lost/wrong answer or disallowed 5xx. SIZE=full: the issue's numbers; CASES=a,b.
+.PHONY: harden
+harden: $(STAMP)
+	$(VENV)/bin/kvroute loadtest harden --size $(or $(SIZE),small) $(if $(CASES),--cases $(CASES)) $(ARGS)
+
 test-all: $(STAMP)
 	$(PY) -m pytest -m '' $(ARGS)
 

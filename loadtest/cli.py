@@ -5,6 +5,7 @@ report, compare, trace.
     simulate  --trace FILE --workers N --profile NAME --policies a,b,... [--tiers T | --tier-sweep]
               [--find-load] ...
     scenario  list | all | NAME [--size small|full]
+    harden    [--size small|full] [--cases a,b | list] [--out DIR]   (adversarial suite, docs/harden.md)
     report    RESULTS.jsonl... --out DIR
     compare   --trace FILE --policies a,b [--limit N]   (offline simulator vs HTTP replay)
     trace     stats --trace FILE | convert --trace FILE --to OUT.jsonl
@@ -307,6 +308,12 @@ def cmd_scenario(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def cmd_harden(args: argparse.Namespace) -> int:
+    from .harden.cli import run
+
+    return run(args)
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
     from .compare import CompareConfig, run_compare
 
@@ -368,6 +375,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
     p.set_defaults(fn=cmd_scenario)
+
+    p = sub.add_parser("harden", help="the adversarial suite: real gateway and workers, hostile cases (docs/harden.md)")
+    from .harden.cli import add_arguments as add_harden_arguments
+
+    add_harden_arguments(p)
+    p.set_defaults(fn=cmd_harden)
 
     p = sub.add_parser("report", help="re-render a report from results JSONL files")
     p.add_argument("results", nargs="+")

@@ -17,6 +17,8 @@ import aiohttp
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvwire.linger import expects_continue
+
 from .asgi import AsgiOut, ClientGone, Receive, Scope, Send, headers_of, read_body, watch_disconnect
 from .errors import ApiError, bad_request, internal, model_not_found, rate_limited, unavailable
 from .gateway import Gateway
@@ -42,7 +44,8 @@ class CompletionRoute:
             await self._handle(scope, receive, out)
         except ApiError as e:
             if not out.started:
-                await out.error(e)
+                unread = e.headers.get("connection") == "close" and not expects_continue(scope)
+                await out.error(e, unread=receive if unread else None)
             gw.metrics.count_request(self.route, e.status, "-")
         except ClientGone:
             gw.metrics.disconnects.inc()

@@ -13,6 +13,8 @@ from typing import Any
 import msgspec
 from starlette.types import Receive, Scope, Send
 
+from kvwire.linger import drain
+
 from .attempt import JSON_HEADERS
 from .errors import ApiError, bad_request, too_large
 
@@ -44,9 +46,17 @@ class AsgiOut:
         await self.start(status, JSON_HEADERS + (extra or []))
         await self.body(obj if isinstance(obj, bytes) else _enc.encode(obj))
 
-    async def error(self, e: ApiError, request_id: str | None = None) -> None:
+    async def error(self, e: ApiError, request_id: str | None = None, unread: Receive | None = None) -> None:
+        """The error; `unread`: the request's receive, its body not read to the end, which
+        is drained (bounded) before the answer's last byte so the client reads it."""
         hdrs = [(k.encode(), v.encode()) for k, v in e.response_headers().items()]
-        await self.json(e.status, e.body(request_id), hdrs)
+        if unread is None:
+            await self.json(e.status, e.body(request_id), hdrs)
+            return
+        await self.start(e.status, JSON_HEADERS + hdrs)
+        await self.body(e.body(request_id), more=True)
+        await drain(unread)
+        await self.body(b"")
 
 
 class ClientGone(Exception):
@@ -75,7 +85,7 @@ async def read_body(receive: Receive, limit: int, declared: str | None) -> bytes
         if b:
             size += len(b)
             if size > limit:
-                raise too_large(limit)
+                raise too_large(limit, unread=msg.get("more_body", False))
             chunks.append(b)
         if not msg.get("more_body", False):
             break

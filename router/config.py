@@ -288,6 +288,10 @@ class PoolConfig(_Strict):
     first_byte_factor: float = Field(default=4.0, ge=1)
     idle_timeout_s: float = Field(default=30.0, gt=0)  # between chunks of a stream
     request_timeout_s: float = Field(default=600.0, gt=0)  # a whole request
+    # A whole (non-streamed) answer comes only when it is done: it may take the first-byte
+    # window plus this much per token it may generate (slower is a stuck worker), and
+    # never more than request_timeout_s.
+    whole_answer_token_s: float = Field(default=0.5, gt=0)
     probe_timeout_s: float = Field(default=2.0, gt=0)
     max_connections: int = Field(default=1024, gt=0)
     # /ready waits for each registered worker's cache to be in the index, at most this long
@@ -297,6 +301,10 @@ class PoolConfig(_Strict):
         if predicted_ttft_s is None:
             return max(self.first_byte_min_s, self.idle_timeout_s)
         return max(self.first_byte_min_s, self.first_byte_factor * predicted_ttft_s)
+
+    def whole_answer_s(self, predicted_ttft_s: float | None, max_tokens: int) -> float:
+        return min(self.request_timeout_s,
+                   self.first_byte_s(predicted_ttft_s) + max(1, max_tokens) * self.whole_answer_token_s)
 
 
 class ListenConfig(_Strict):

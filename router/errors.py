@@ -66,10 +66,11 @@ def model_not_found(model: str) -> ApiError:
     return ApiError(404, f"The model `{model}` does not exist.", "invalid_request_error", "model", "model_not_found")
 
 
-def too_large(limit: int) -> ApiError:
-    """The body was not read to its end: the connection cannot carry another request."""
+def too_large(limit: int, unread: bool = True) -> ApiError:
+    """`unread`: the body was not read to its end, so the connection cannot carry another
+    request (it closes after a bounded drain of the rest)."""
     return ApiError(413, f"Request body larger than {limit} bytes.", "invalid_request_error", None,
-                    "request_too_large", headers={"connection": "close"})
+                    "request_too_large", headers={"connection": "close"} if unread else {})
 
 
 def rate_limited(message: str, retry_after_s: float, code: str = "overloaded") -> ApiError:

@@ -30,7 +30,15 @@ from .worker import Worker
 log = logging.getLogger("kvroute.passthrough")
 _enc = msgspec.json.Encoder()
 _MAX_EVENT = 8 << 20
+_MAX_WHOLE = 256 << 20  # a whole answer (n choices with logprobs can be large)
 _USAGE_NULL = (b'"usage":null', b'"usage": null')
+
+
+class _AnyObject(msgspec.Struct):
+    """Decodes any JSON object without building it: checks a worker's event is JSON."""
+
+
+_check_json = msgspec.json.Decoder(_AnyObject).decode
 
 
 class PassThrough:
@@ -63,7 +71,12 @@ class PassThrough:
         headers = {"content-type": "application/json", "x-request-id": a.prep.rid,
                    "accept": "text/event-stream" if a.prep.stream else "application/json"}
         a.t_dispatch = time.monotonic()
-        resp = await post(self.session, w.url + path, self.payload(a), w.id, self.timeout, headers, relay_4xx=True)
+        # A stream's status line comes at once (within the first-byte window); a whole
+        # answer's only when it is done.
+        t = self.timeouts
+        head_s = t.first_byte_s(a.predicted) if a.prep.stream else t.whole_answer_s(a.predicted, a.prep.max_tokens)
+        resp = await post(self.session, w.url + path, self.payload(a), w.id, self.timeout, headers, relay_4xx=True,
+                          header_timeout_s=head_s, slot=a.rec.ticket)
         a.rec.ticket.abort = resp.close  # the worker died: end this request now
         self.pool.accepted(a.rec)
         try:
@@ -84,7 +97,10 @@ class PassThrough:
         return resp.status
 
     async def _relay_whole(self, a: Attempt, resp: aiohttp.ClientResponse, out: Out) -> int:
-        body = await _read(resp, a.worker)
+        body = await _read_whole(resp, a.worker, self.timeouts.idle_timeout_s)
+        if resp.content_type == "application/json" and not _is_json(body):
+            raise UpstreamError(f"worker {a.worker.id} answered 200 with a body that is not JSON", True,
+                                phase="first")
         self.pool.first_token(a.rec)
         a.worker.served += 1
         res = Result(t_last=time.monotonic())
@@ -174,6 +190,9 @@ class _StreamRelay:
                 continue
             if ev.startswith(b"data: [DONE]") or ev.startswith(b"data:[DONE]"):
                 self.done = True
+            elif ev.startswith(b"data:") and not _is_json(_data_of(ev)):
+                raise UpstreamError(f"worker {self.a.worker.id} sent an event that is not JSON", False,
+                                    phase="stream")
             elif b'"usage"' in ev and not any(u in ev for u in _USAGE_NULL):
                 if self._usage_event(ev):
                     continue
@@ -207,9 +226,44 @@ async def _read(resp: aiohttp.ClientResponse, w: Worker) -> bytes:
                             phase="first") from None
 
 
+async def _read_whole(resp: aiohttp.ClientResponse, w: Worker, idle_s: float) -> bytes:
+    """A whole answer, each read within `idle_s` (a worker that stops mid-body is
+    stuck); nothing was sent to the client yet, so any failure is retryable."""
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        while data := await read_within(resp.content, idle_s, w.id, False):
+            size += len(data)
+            if size > _MAX_WHOLE:
+                raise UpstreamError(f"worker {w.id} sent an answer over {_MAX_WHOLE} bytes", True, phase="first")
+            chunks.append(data)
+    except UpstreamError as e:
+        e.retryable = True
+        raise
+    except (aiohttp.ClientError, ConnectionError) as e:
+        raise UpstreamError(f"worker {w.id} failed while answering: {type(e).__name__}: {e}", True,
+                            phase="first") from None
+    return b"".join(chunks)
+
+
 def _content_type(resp: aiohttp.ClientResponse, default: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
     ct = resp.headers.get("content-type")
     return [(b"content-type", ct.encode("latin-1"))] if ct else list(default)
+
+
+def _data_of(ev: bytes) -> bytes:
+    """An SSE event's data (its `data:` lines joined), the event starting with one."""
+    if b"\ndata:" not in ev:
+        return ev[5:]
+    return b"\n".join(line[5:] for line in ev.split(b"\n") if line.startswith(b"data:"))
+
+
+def _is_json(payload: bytes) -> bool:
+    try:
+        _check_json(payload)
+    except msgspec.DecodeError:
+        return False
+    return True
 
 
 def _usage_of(body: bytes) -> dict[str, Any] | None:

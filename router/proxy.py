@@ -9,8 +9,10 @@ Details: docs/gateway.md.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import aiohttp
 from yarl import URL
@@ -102,15 +104,31 @@ class UpstreamStream:
         self.resp.close()
 
 
+class Abortable(Protocol):
+    """Where the pool finds how to end a request whose worker it declared dead."""
+
+    abort: Callable[[], None] | None
+
+
 async def post(
     session: aiohttp.ClientSession, url: str | URL, payload: bytes, worker_id: str, timeout: aiohttp.ClientTimeout,
-    headers: dict[str, str] = _JSON, relay_4xx: bool = False,
+    headers: dict[str, str] = _JSON, relay_4xx: bool = False, header_timeout_s: float | None = None,
+    slot: Abortable | None = None,
 ) -> aiohttp.ClientResponse:
     """POST and check the status; the body is not read yet. A 200 (and, with `relay_4xx`,
     the worker's own 4xx answer, which a pass-through client must see as sent) comes
-    back; anything else raises UpstreamError (retryable: 408, 429, 5xx)."""
+    back; anything else raises UpstreamError (retryable: 408, 429, 5xx).
+
+    `header_timeout_s` bounds the wait for the status line (a worker that accepts the
+    connection and never answers), retryable elsewhere; `slot.abort` ends the wait when
+    the pool declares the worker dead meanwhile."""
     try:
-        resp = await session.post(url, data=payload, headers=headers, timeout=timeout)
+        resp = await _send(session, url, payload, headers, timeout, header_timeout_s, slot)
+    except _Aborted:
+        raise UpstreamError(f"worker {worker_id} was declared unhealthy before it answered", True) from None
+    except _NoHeaders:
+        raise UpstreamError(f"worker {worker_id}: no response within {header_timeout_s:.0f} s", True,
+                            phase="first_byte_timeout") from None
     except aiohttp.ClientConnectorError as e:
         refused = isinstance(e.os_error, ConnectionRefusedError) or "refused" in str(e).lower()
         raise UpstreamError(f"worker {worker_id} unreachable: {e}", True, fatal=refused) from None
@@ -130,13 +148,57 @@ async def post(
                         status=resp.status)
 
 
+class _Aborted(Exception):
+    pass
+
+
+class _NoHeaders(Exception):
+    pass
+
+
+async def _send(
+    session: aiohttp.ClientSession, url: str | URL, payload: bytes, headers: dict[str, str],
+    timeout: aiohttp.ClientTimeout, header_timeout_s: float | None, slot: Abortable | None,
+) -> aiohttp.ClientResponse:
+    """The POST until its status line, cancellable through `slot.abort` (the pool calls it
+    from the event loop; the cancellation is told apart from the client's own)."""
+    task = asyncio.current_task()
+    aborted = False
+
+    def abort() -> None:
+        nonlocal aborted
+        if task is not None and not aborted:
+            aborted = True
+            task.cancel()
+
+    if slot is not None:
+        slot.abort = abort
+    try:
+        async with asyncio.timeout(header_timeout_s):
+            return await session.post(url, data=payload, headers=headers, timeout=timeout)
+    except asyncio.CancelledError:
+        if aborted and task is not None and task.uncancel() == 0:
+            raise _Aborted from None
+        raise
+    except TimeoutError:
+        if header_timeout_s is not None and not aborted:
+            raise _NoHeaders from None
+        raise
+    finally:
+        if slot is not None:
+            slot.abort = None
+
+
 async def open_stream(
     session: aiohttp.ClientSession, url: str | URL, payload: bytes, worker_id: str, timeout: aiohttp.ClientTimeout,
-    first_timeout_s: float = 600.0, idle_timeout_s: float = 600.0,
+    first_timeout_s: float = 600.0, idle_timeout_s: float = 600.0, slot: Abortable | None = None,
 ) -> UpstreamStream:
-    """POST to our worker and check the status; the stream is not read yet."""
-    resp = await post(session, url, payload, worker_id, timeout)
-    return UpstreamStream(resp, worker_id, first_timeout_s, idle_timeout_s)
+    """POST to our worker and check the status; the stream is not read yet. The status
+    line and the first event share one `first_timeout_s` window."""
+    t0 = time.monotonic()
+    resp = await post(session, url, payload, worker_id, timeout, header_timeout_s=first_timeout_s, slot=slot)
+    left = max(0.001, first_timeout_s - (time.monotonic() - t0))
+    return UpstreamStream(resp, worker_id, left, idle_timeout_s)
 
 
 async def read_within(content: aiohttp.StreamReader, timeout_s: float, worker_id: str, first: bool) -> bytes:

@@ -82,7 +82,7 @@ class Relay:
             url = w.completions_url = URL(w.url + "/v1/completions")
         t = self.timeouts
         up = await open_stream(self.session, url, self.payload(a.prep, w), w.id, self.timeout,
-                               t.first_byte_s(a.predicted), t.idle_timeout_s)
+                               t.first_byte_s(a.predicted), t.idle_timeout_s, slot=a.rec.ticket)
         a.rec.ticket.abort = up.close  # the worker died: end this request now
         self.pool.accepted(a.rec)
         try:

@@ -34,6 +34,9 @@ class FakeWorker:
     die_after_chunks: int | None = None  # close the connection after N chunks
     stall_after_chunks: int | None = None  # say nothing more after N chunks (a hung worker)
     first_delay_s: float = 0.0
+    headers_delay_s: float = 0.0  # say nothing, not even the status line, for this long
+    garbage: bool = False  # answer 200 with bodies / events that are not JSON
+    kind: str = "kvroute"  # how the gateway's config registers it ("vllm": pass-through)
     token_delay_s: float = 0.0
     load: dict[str, Any] = field(default_factory=dict)
     completions: list[dict[str, Any]] = field(default_factory=list)
@@ -147,8 +150,12 @@ class FakeWorker:
             await reply(self.fail_status, {"error": {"message": f"injected {self.fail_status}", "type": "x",
                                                      "param": None, "code": None}})
             return
+        await asyncio.sleep(self.headers_delay_s)
         n = int(req.get("max_tokens") or req.get("max_completion_tokens") or 4)
         usage = self._usage(req, chat, n)
+        if self.garbage:
+            await self._garbage(bool(req.get("stream")), send)
+            return
         if not req.get("stream"):
             await asyncio.sleep(self.first_delay_s)
             await reply(200, _whole(chat, n, usage))
@@ -183,6 +190,13 @@ class FakeWorker:
             self.cancelled += 1
         finally:
             watcher.cancel()
+
+    @staticmethod
+    async def _garbage(stream: bool, send: Any) -> None:
+        ct = b"text/event-stream" if stream else b"application/json"
+        body = b"data: {not json at all\n\ndata: [DONE]\n\n" if stream else b"<html>oops</html>"
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", ct)]})
+        await send({"type": "http.response.body", "body": body})
 
     def _usage(self, req: dict[str, Any], chat: bool, n: int) -> dict[str, Any]:
         p = _prompt_tokens(req, chat) + self.prompt_skew

@@ -238,3 +238,113 @@ async def test_the_body_budget_answers_429_when_full() -> None:
         assert ei.value.code == "gateway_busy"
         assert (await first).choices[0].text
         assert (await c.completions.create(model=MODEL, prompt="c " * 2000, max_tokens=1)).choices[0].text
+
+
+@pytest.mark.parametrize("kind", ["kvroute", "vllm"])
+async def test_a_worker_that_never_sends_its_status_line_is_replaced(kind: str) -> None:
+    """It accepts the connection and says nothing: the first-byte window covers the wait
+    for the status line too, so the request moves to the healthy worker in seconds
+    (our relay and the pass-through to vLLM alike)."""
+    hung = FakeWorker("hung", DIGEST, headers_delay_s=60.0, kind=kind)
+    good = FakeWorker("good", DIGEST, kind=kind)
+    cfg = _cfg(pool=_pool(first_byte_min_s=0.5, first_byte_factor=1.0), routing={"policy": "round_robin",
+                                                                                 "retries": 1})
+    async with fleet([hung, good], cfg) as (gw, url):
+        t0 = time.monotonic()
+        for _ in range(2):
+            stream = await client(url).completions.create(model=MODEL, prompt="hi", max_tokens=2, stream=True)
+            assert "".join([c.choices[0].text async for c in stream if c.choices])
+        assert time.monotonic() - t0 < 5.0 and len(hung.completions) == 1
+        assert gw.metrics.upstream_errors.labels("hung", "first_byte_timeout")._value.get() == 1
+
+
+async def test_alone_a_silent_worker_is_an_error_not_a_hang() -> None:
+    hung = FakeWorker("hung", DIGEST, headers_delay_s=60.0)
+    async with fleet([hung], _cfg(pool=_pool(first_byte_min_s=0.5, first_byte_factor=1.0))) as (_, url):
+        t0 = time.monotonic()
+        async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions", json={
+                "model": MODEL, "prompt": "hi", "max_tokens": 2}) as r:
+            body = await r.json()
+        assert r.status in (502, 503, 504) and body["error"]["message"]
+        assert "hung" not in body["error"]["message"] and time.monotonic() - t0 < 5.0
+
+
+async def test_a_request_waiting_for_the_status_line_of_a_dying_worker_is_retried() -> None:
+    """The pool declares the worker dead while the request still waits for its answer:
+    that wait ends at once and the request goes to another worker."""
+    slow = FakeWorker("slow", DIGEST, headers_delay_s=60.0)
+    good = FakeWorker("good", DIGEST)
+    cfg = _cfg(pool=_pool(unhealthy_after=1, unhealthy_min_s=0.0), routing={"policy": "round_robin", "retries": 1})
+    async with fleet([slow, good], cfg) as (gw, url):
+        task = asyncio.ensure_future(client(url).completions.create(model=MODEL, prompt="x", max_tokens=1))
+        await wait_until(lambda: slow.completions or good.completions, 5.0, "dispatch")
+        if good.completions:
+            task2 = asyncio.ensure_future(client(url).completions.create(model=MODEL, prompt="y", max_tokens=1))
+            await wait_until(lambda: slow.completions, 5.0, "dispatch to the slow one")
+            await task
+            task = task2
+        t0 = time.monotonic()
+        slow.health_status = 500
+        r = await asyncio.wait_for(task, 10.0)
+        assert r.choices[0].text and time.monotonic() - t0 < 5.0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_vllm_worker_answering_garbage_is_not_relayed(stream: bool) -> None:
+    """Pass-through keeps vLLM's bytes, but a 200 whose body or first event is not JSON is
+    a broken worker: the request is retried on another, and alone it is a 502."""
+    bad, good = FakeWorker("bad", DIGEST, garbage=True, kind="vllm"), FakeWorker("good", DIGEST, kind="vllm")
+    cfg = _cfg(routing={"policy": "round_robin", "retries": 1})
+    req = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "stream": stream}
+    async with fleet([bad, good], cfg) as (_, url), aiohttp.ClientSession() as s:
+        for _ in range(2):
+            async with s.post(url + "/v1/completions", json=req) as r:
+                text = await r.text()
+                assert r.status == 200 and "not json" not in text and "oops" not in text, text
+        assert len(bad.completions) == 1
+    alone = FakeWorker("bad", DIGEST, garbage=True, kind="vllm")
+    async with fleet([alone]) as (_, url), aiohttp.ClientSession() as s:
+        async with s.post(url + "/v1/completions", json=req) as r:
+            assert r.status == 502 and "oops" not in await r.text()
+
+
+async def test_an_early_refusal_reaches_a_client_still_sending() -> None:
+    """A 413 on the declared length is sent before the body is read; the rest of the body
+    is drained (bounded) before the connection closes, so a client still writing reads
+    the 413 instead of a connection reset."""
+    a = FakeWorker("a", DIGEST)
+    async with fleet([a], _cfg(limits={"max_body_bytes": 1000})) as (_, url):
+        port = int(url.rsplit(":", 1)[1])
+        for _ in range(5):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            body = b"x" * 3_000_000
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                         b"content-length: %d\r\n\r\n" % len(body))
+            await asyncio.sleep(0.2)  # the refusal is on its way before the body goes out
+            try:
+                for i in range(0, len(body), 65536):
+                    writer.write(body[i:i + 65536])
+                    await writer.drain()
+            except ConnectionError:
+                pass  # the server stopped reading: what matters is what the client can read
+            try:
+                head = await asyncio.wait_for(reader.read(4096), 5.0)
+            except ConnectionError as e:
+                head = repr(e).encode()
+            writer.close()
+            assert head.startswith(b"HTTP/1.1 413"), head[:80]
+
+
+async def test_a_whole_answer_from_a_silent_vllm_worker_is_bounded() -> None:
+    """Not streamed, vLLM's status line comes only with the finished answer: the wait is
+    the first-byte window plus a bound per token asked for, then another worker."""
+    hung = FakeWorker("hung", DIGEST, headers_delay_s=60.0, kind="vllm")
+    good = FakeWorker("good", DIGEST, kind="vllm")
+    cfg = _cfg(pool=_pool(first_byte_min_s=0.5, first_byte_factor=1.0, whole_answer_token_s=0.1),
+               routing={"policy": "round_robin", "retries": 1})
+    async with fleet([hung, good], cfg) as (_, url):
+        t0 = time.monotonic()
+        for _ in range(2):
+            r = await client(url).completions.create(model=MODEL, prompt="hi", max_tokens=2)
+            assert r.choices[0].text
+        assert time.monotonic() - t0 < 5.0 and len(hung.completions) == 1

@@ -28,6 +28,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from kvwire import EventsInfo
+from kvwire.linger import LingeringClose
 from workers.api import Engine
 from workers.errors import BadRequest, EngineError
 from workers.metrics import WorkerMetrics
@@ -134,8 +135,13 @@ class WorkerFastAPI(FastAPI):
             path: ServerErrorMiddleware(_Lane(h), handler=on_error) for path, h in fast.items()
         }
         self.components = dict(components)
+        # a refusal sent before the body was read (413, 403 on /kv/blocks) reaches the client
+        self._outer = LingeringClose(self._dispatch)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._outer(scope, receive, send)
+
+    async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST" and not scope.get("root_path"):
             lane = self.lanes.get(scope["path"])
             if lane is not None:

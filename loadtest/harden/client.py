@@ -59,12 +59,13 @@ def encode_body(body: Any) -> bytes:
 async def request(
     host: str, port: int, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None, *,
     timeout: float = 30.0, rcvbuf: int | None = None, read_size: int = 65536, read_pause: float = 0.0,
-    abort: str | None = None, keep_open: bool = False,
+    abort: str | None = None, keep_open: bool = False, abandon_after: float | None = None,
 ) -> Reply:
     """One request on a fresh connection (`Connection: close` unless `keep_open`).
 
     `abort`: leave on purpose — "before_body" (headers sent, body never), "mid_body" (half
-    the body), "after_headers" (once the response status arrived), "after_first_chunk".
+    the body), "after_headers" (once the response status arrived), "after_first_chunk";
+    `abandon_after`: leave after that many seconds, whatever arrived by then.
     `rcvbuf`/`read_size`/`read_pause`: a slow reader (small socket buffer, small reads, a
     pause between them). The reply is returned, never raised, whatever happens."""
     rep = Reply()
@@ -73,7 +74,14 @@ async def request(
     task = asyncio.ensure_future(_exchange(rep, t0, host, port, method, path, data, headers or {}, rcvbuf,
                                            read_size, read_pause, abort, keep_open))
     try:
-        await asyncio.wait_for(task, timeout)
+        if abandon_after is not None and abandon_after < timeout:
+            done, _ = await asyncio.wait({task}, timeout=abandon_after)
+            if not done:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                rep.abandoned = True
+        else:
+            await asyncio.wait_for(task, timeout)
     except TimeoutError:
         rep.timed_out = True
     except asyncio.CancelledError:
@@ -145,29 +153,45 @@ async def _exchange(rep: Reply, t0: float, host: str, port: int, method: str, pa
         await read_response(rep, t0, reader, read_size, read_pause, abort, method == "HEAD")
     except (ConnectionError, OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as e:
         rep.error = f"{type(e).__name__}: {e}"
+    except asyncio.CancelledError:
+        writer.transport.abort()
+        raise
     finally:
-        writer.transport.abort() if rep.abandoned else writer.close()
+        if rep.abandoned:
+            writer.transport.abort()
+        else:
+            writer.close()
 
 
 async def read_response(rep: Reply, t0: float, reader: asyncio.StreamReader, read_size: int = 65536,
-                        read_pause: float = 0.0, abort: str | None = None, head_only: bool = False) -> None:
-    """Read one response into `rep` (status, headers, body, complete); may raise connection errors."""
-    line = await reader.readline()
-    if not line:
-        rep.error = "connection closed before any response byte"
-        return
-    rep.t_first = time.monotonic() - t0
-    parts = line.decode("latin-1").split(" ", 2)
-    rep.status = int(parts[1])
+                        read_pause: float = 0.0, abort: str | None = None, head_only: bool = False,
+                        on_continue: Any = None) -> None:
+    """Read one response into `rep` (status, headers, body, complete); may raise connection errors.
+    Interim 1xx responses are skipped (`on_continue()` is awaited on a `100 Continue`)."""
     while True:
-        h = await reader.readline()
-        if not h:
-            rep.error = "connection closed inside the response headers"
+        line = await reader.readline()
+        if not line:
+            rep.error = "connection closed before any response byte"
             return
-        if h in (b"\r\n", b"\n"):
-            break
-        k, _, v = h.decode("latin-1").partition(":")
-        rep.headers[k.strip().lower()] = v.strip()
+        if rep.t_first is None:
+            rep.t_first = time.monotonic() - t0
+        parts = line.decode("latin-1").split(" ", 2)
+        rep.status = int(parts[1])
+        rep.headers = {}
+        while True:
+            h = await reader.readline()
+            if not h:
+                rep.error = "connection closed inside the response headers"
+                return
+            if h in (b"\r\n", b"\n"):
+                break
+            k, _, v = h.decode("latin-1").partition(":")
+            rep.headers[k.strip().lower()] = v.strip()
+        if 100 <= rep.status < 200 and rep.status != 101:
+            if rep.status == 100 and on_continue is not None:
+                await on_continue()
+            continue
+        break
     if abort == "after_headers":
         rep.abandoned = True
         return

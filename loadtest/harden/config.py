@@ -24,7 +24,7 @@ TOKENIZER = REPO / "configs" / "assets" / "tiny-tokenizer"
 # Short upstream timeouts for the `small` run (a hanging worker costs seconds, not
 # minutes). Applied only to the fields this gateway's config has; `full` runs with
 # the gateway's own defaults. The report says which were applied.
-SMALL_TIMEOUTS: dict[str, float] = {"first_byte_min_s": 5.0, "idle_timeout_s": 5.0}
+SMALL_TIMEOUTS: dict[str, float] = {"first_byte_min_s": 3.0, "idle_timeout_s": 3.0}
 
 
 def write_profile(folder: Path, *, max_num_seqs: int = 8, max_waiting: int = 8, decode_base_s: float = 0.002,
@@ -34,8 +34,10 @@ def write_profile(folder: Path, *, max_num_seqs: int = 8, max_waiting: int = 8, 
     data["name"] = name
     data["scheduler"]["max_num_seqs"] = max_num_seqs
     data["scheduler"]["max_waiting"] = max_waiting
+    # decode fixed here (the profile's calibration may change): short answers cost little wall time
     data["compute"]["decode_base_s"] = decode_base_s
     data["compute"]["decode_per_seq_s"] = 0.0002
+    data["compute"]["decode_per_ctx_token_s"] = 4.0e-8
     path = folder / f"{name}-profile.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path

@@ -126,8 +126,8 @@ class Faulty:
             await _reply(writer, 200, self._load())
         elif path == "/metrics" and method == "GET":
             text = ('vllm:num_requests_waiting{model_name="m"} 0\n'
-                    'vllm:num_requests_running{model_name="m"} %d\n'
-                    'vllm:kv_cache_usage_perc{model_name="m"} 0.1\n' % self.open)
+                    f'vllm:num_requests_running{{model_name="m"}} {self.open}\n'
+                    'vllm:kv_cache_usage_perc{model_name="m"} 0.1\n')
             await _reply_raw(writer, 200, text.encode(), b"text/plain; version=0.0.4")
         elif path == "/v1/models" and method == "GET":
             await _reply(writer, 200, {"object": "list", "data": [

@@ -24,6 +24,7 @@ not "sent"; what the case checks afterwards is.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -126,7 +127,7 @@ def leak(message: str, spec: Spec, client_error: bool = False) -> str | None:
 def _decode(body: bytes) -> Any:
     try:
         return msgspec.json.decode(body)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return _BAD
 
 
@@ -227,7 +228,7 @@ def _choice_text(obj: Any, chat: bool) -> str | None:
     return t if isinstance(t, str) else None
 
 
-def _judge_stream(rep: Reply, spec: Spec, o: Outcome, done: Any) -> Outcome:
+def _judge_stream(rep: Reply, spec: Spec, o: Outcome, done: Callable[[str, str], Outcome]) -> Outcome:
     events, finished, after = sse_events(rep.body)
     text: list[str] = []
     finish = None
@@ -283,6 +284,7 @@ class CaseResult:
     checks: list[Check] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     rss_mb: dict[str, float] = field(default_factory=dict)
+    ready_s: list[float] = field(default_factory=list)  # each gateway's time from start to /ready 200
     seconds: float = 0.0
     error: str | None = None
     skipped: str | None = None
@@ -321,6 +323,7 @@ class CaseResult:
         return {
             "case": self.name, "summary": self.summary, "verdict": self.verdict, "sent": self.sent,
             "counts": dict(self.counts), "checks": [vars(c) for c in self.checks], "samples": self.samples,
-            "notes": self.notes, "rss_mb": self.rss_mb, "seconds": round(self.seconds, 2), "error": self.error,
+            "notes": self.notes, "rss_mb": self.rss_mb, "gateway_ready_s": self.ready_s,
+            "seconds": round(self.seconds, 2), "error": self.error,
             "skipped": self.skipped,
         }

@@ -74,6 +74,7 @@ class GatewayProc:
     port: int
     config_path: Path
     config: dict[str, Any]
+    ready_s: float | None = None  # seconds from start to the first 200 of /ready
 
     @property
     def url(self) -> str:
@@ -131,12 +132,14 @@ class Procs:
                                                    if self.env.get("PYTHONPATH") else "")
         self.procs: list[Proc] = []
         self._n = 0
+        self._lock = threading.Lock()  # cases start processes from threads, some at once
 
     # ------------------------------------------------------------------ generic
 
     def spawn(self, name: str, argv: list[str], *, watch_stdout: bool = False) -> Proc:
-        self._n += 1
-        log = self.folder / f"{self._n:02d}-{name}.log"
+        with self._lock:
+            self._n += 1
+            log = self.folder / f"{self._n:02d}-{name}.log"
         f = log.open("ab")
         p = subprocess.Popen(argv, cwd=str(self.code_root), env=self.env, stdin=subprocess.DEVNULL,
                              stdout=subprocess.PIPE if watch_stdout else f, stderr=subprocess.STDOUT,
@@ -147,7 +150,8 @@ class Procs:
             threading.Thread(target=_pump, args=(p.stdout, f, proc.lines), daemon=True).start()
         else:
             f.close()
-        self.procs.append(proc)
+        with self._lock:
+            self.procs.append(proc)
         return proc
 
     def wait_line(self, proc: Proc, prefix: str, timeout: float) -> list[str]:
@@ -207,20 +211,13 @@ class Procs:
         cfg = dict(config)
         port = port or free_port()
         cfg["listen"] = {"host": "127.0.0.1", "port": port}
-        path = self.folder / f"{name}-{self._n + 1:02d}.yaml"
+        with self._lock:
+            path = self.folder / f"{name}-{self._n + 1:02d}-{port}.yaml"
         path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         proc = self.spawn(name, [self.python, "-m", "kvroute.cli", "serve", "--config", str(path)])
         gw = GatewayProc(proc, port, path, cfg)
         self.wait_http(proc, gw.url + ("/ready" if wait_ready else "/health"), timeout)
         return gw
-
-    def restart_gateway(self, gw: GatewayProc, *, sig: int = signal.SIGTERM, wait_ready: bool = True,
-                        timeout: float = 60.0) -> GatewayProc:
-        self.stop(gw.proc, sig, 15.0)
-        proc = self.spawn("gateway", [self.python, "-m", "kvroute.cli", "serve", "--config", str(gw.config_path)])
-        new = GatewayProc(proc, gw.port, gw.config_path, gw.config)
-        self.wait_http(proc, new.url + ("/ready" if wait_ready else "/health"), timeout)
-        return new
 
     def wait_http(self, proc: Proc, url: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -290,14 +287,39 @@ class Procs:
                kind: str = "kvroute", worker_id: str = "faulty", tokens: int = 8, token_delay: float = 0.0,
                timeout: float = 20.0) -> FaultyProc:
         # run as a script from this checkout (standard library only): --code-root may lack it
-        argv = [self.python, str(Path(__file__).resolve().parent / "faulty.py"), "--mode", mode, "--kind", kind, "--worker-id", worker_id,
-                "--model", model, "--digest", digest, "--tokens", str(tokens), "--token-delay", str(token_delay)]
+        argv = [self.python, str(Path(__file__).resolve().parent / "faulty.py"), "--mode", mode, "--kind", kind,
+                "--worker-id", worker_id, "--model", model, "--digest", digest, "--tokens", str(tokens),
+                "--token-delay", str(token_delay)]
         for s in served or []:
             argv += ["--served", s]
         proc = self.spawn(f"faulty-{mode}", argv, watch_stdout=True)
         line = self.wait_line(proc, "ready", timeout)[-1]
         url = line.split("url=", 1)[1].strip()
         return FaultyProc(proc, url, worker_id)
+
+
+def free_ports(n: int, avoid: set[int] | None = None) -> int:
+    """A port p with p..p+n-1 all free (sim-cluster numbers its workers' ports from one)."""
+    import socket
+
+    avoid = avoid or set()
+    for _ in range(500):
+        p = free_port()
+        if p + n > 65535 or any(q in avoid for q in range(p, p + n)):
+            continue
+        socks = []
+        try:
+            for q in range(p + 1, p + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", q))
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+        return p
+    raise StartError(f"no {n} consecutive free ports")
 
 
 def _pump(stream: IO[bytes], log: IO[bytes], lines: queue.Queue[str]) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 from .outcome import ANSWERED, HUNG, LOST, REFUSED, RELAYED, S5XX, WRONG, CaseResult
 
 HEAD = ("case", "sent", "answered", "refused", "5xx relayed", "5xx", "hung", "lost", "wrong", "checks",
-        "rss max/end MiB", "s", "verdict")
+        "rss max/end MiB", "ready s", "s", "verdict")
 
 
 def _row(r: CaseResult) -> list[str]:
@@ -16,8 +16,9 @@ def _row(r: CaseResult) -> list[str]:
     failed = len(r.failed_checks)
     checks = "-" if not r.checks else ("ok" if not failed else f"{failed}/{len(r.checks)} failed")
     rss = f"{r.rss_mb['max']:.0f}/{r.rss_mb['end']:.0f}" if r.rss_mb else "-"
+    ready = f"{max(r.ready_s):.1f}" if r.ready_s else "-"
     return [r.name, str(r.sent), str(c[ANSWERED]), str(c[REFUSED]), str(c[RELAYED]), str(c[S5XX]), str(c[HUNG]),
-            str(c[LOST]), str(c[WRONG]), checks, rss, f"{r.seconds:.0f}", r.verdict]
+            str(c[LOST]), str(c[WRONG]), checks, rss, ready, f"{r.seconds:.0f}", r.verdict]
 
 
 def table(results: list[CaseResult]) -> str:
@@ -30,8 +31,9 @@ def table(results: list[CaseResult]) -> str:
     total = _row(tot)
     total[9] = str(sum(len(r.failed_checks) for r in results)) + " failed"
     total[10] = ""
-    total[11] = f"{sum(r.seconds for r in results):.0f}"
-    total[12] = f"{bad} failing"
+    total[11] = ""
+    total[12] = f"{sum(r.seconds for r in results):.0f}"
+    total[13] = f"{bad} failing"
     rows.append(total)
     widths = [max(len(row[i]) for row in rows) for i in range(len(HEAD))]
 

@@ -78,8 +78,13 @@ class Ctx:
         self.sampler = sampler
         self.gateways: list[GatewayProc] = []
         self.secrets: set[str] = set()
+        self._bg: set[asyncio.Future[Any]] = set()
         self.tag = secrets.token_hex(3)
-        self.profile = write_profile(folder)
+        self.use_profile(32, 32)
+
+    def use_profile(self, max_num_seqs: int, max_waiting: int) -> None:
+        """The simulated workers' scheduler for this case (capacity = seqs + waiting per worker)."""
+        self.profile = write_profile(self.folder, max_num_seqs=max_num_seqs, max_waiting=max_waiting)
         self.digest = namespace_digest(self.profile)
 
     # ------------------------------------------------------------------ sizes, checks
@@ -120,18 +125,32 @@ class Ctx:
         for w in config.get("workers", []):
             self.secrets.add(w["id"])
             self.secrets.add(w["url"].split("//", 1)[-1])
-        gw = await asyncio.to_thread(self.procs.gateway, config, name=name, wait_ready=wait_ready, timeout=timeout,
+        t0 = time.monotonic()
+        gw = await asyncio.to_thread(self.procs.gateway, config, name=name, wait_ready=False, timeout=timeout,
                                      port=port)
         self.gateways.append(gw)
         self.sampler.track(gw.pid)
-        self.log(f"gateway pid {gw.pid} on {gw.url}")
+        self.log(f"gateway pid {gw.pid} on {gw.url}, /health after {time.monotonic() - t0:.1f} s")
+        task = asyncio.ensure_future(self._time_ready(gw, t0, timeout))
+        self._bg.add(task)
+        if wait_ready:
+            await task
+            if gw.ready_s is None:
+                raise StartError(f"{gw.url}/ready not 200 after {timeout:.0f} s (log {gw.proc.log}):\n"
+                                 + gw.proc.tail())
         return gw
 
-    async def restart_gateway(self, gw: GatewayProc, *, wait_ready: bool = True) -> GatewayProc:
-        new = await asyncio.to_thread(self.procs.restart_gateway, gw, wait_ready=wait_ready)
-        self.gateways.append(new)
-        self.sampler.track(new.pid)
-        return new
+    async def _time_ready(self, gw: GatewayProc, t0: float, timeout: float) -> None:
+        """When `/ready` first says 200 (noted: a gateway slow to be ready delays every client)."""
+        while time.monotonic() - t0 < timeout and gw.proc.alive:
+            rep = await self.raw(gw, "GET", "/ready", timeout=2.0)
+            if rep.status == 200:
+                gw.ready_s = time.monotonic() - t0
+                self.log(f"gateway pid {gw.pid}: /ready after {gw.ready_s:.1f} s")
+                self.result.ready_s.append(round(gw.ready_s, 2))
+                return
+            await asyncio.sleep(0.1)
+
 
     async def sim(self, n: int, **kw: Any) -> SimCluster:
         kw.setdefault("id_prefix", f"simw-{self.tag}-")
@@ -169,6 +188,8 @@ class Ctx:
             self.result.counts[ABANDONED] += 1
         if o.category not in ("answered", "refused", ABANDONED):
             self.log(f"{label or path}: {o.category}: {o.why}")
+        elif o.elapsed > 2.0:
+            self.log(f"{label or path}: {o.category} after {o.elapsed:.1f} s ({o.why[:120]})")
         return o
 
     async def raw(self, base: str | GatewayProc, method: str, path: str, body: Any = None, *,
@@ -220,34 +241,40 @@ def _host_port(base: str | GatewayProc) -> tuple[str, int]:
 
 
 def run_case(c: Case, st: Settings, sampler: RssSampler) -> CaseResult:
+    """One case in its own event loop and processes; whatever happens, a result."""
     folder = st.out / c.name
     folder.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
+    budget = c.budget_s[0 if st.size == "small" else 1]
     ctx: Ctx | None = None
+    res = CaseResult(c.name, c.summary)
     try:
         ctx = Ctx(c, st, folder, sampler)
-        budget = c.budget_s[0 if st.size == "small" else 1]
+        res = ctx.result
+        ctx.log(f"case {c.name} ({st.size})")
         asyncio.run(asyncio.wait_for(c.fn(ctx), budget))
+        ctx.log("case done")
     except Skip as e:
-        res = ctx.result if ctx else CaseResult(c.name, c.summary)
         res.skipped = str(e)
-        ctx = ctx or None
-        return _finish(res, ctx, t0)
-    except TimeoutError:
-        res = ctx.result if ctx else CaseResult(c.name, c.summary)
-        res.error = f"the case did not finish within its {c.budget_s[0 if st.size == 'small' else 1]:.0f} s budget"
-        return _finish(res, ctx, t0)
+    except TimeoutError as e:
+        if time.monotonic() - t0 >= budget:
+            res.error = f"the case did not finish within its {budget:.0f} s budget"
+        else:
+            res.error = f"TimeoutError: {e}"
+            _trace(folder)
     except StartError as e:
-        res = ctx.result if ctx else CaseResult(c.name, c.summary)
         res.error = f"could not start: {e}"
-        return _finish(res, ctx, t0)
     except Exception as e:
-        res = ctx.result if ctx else CaseResult(c.name, c.summary)
         res.error = f"{type(e).__name__}: {e}"
-        (folder / "case.log").open("a").write(traceback.format_exc())
-        return _finish(res, ctx, t0)
-    assert ctx is not None
-    return _finish(ctx.result, ctx, t0)
+        _trace(folder)
+    finally:
+        res = _finish(res, ctx, t0)
+    return res
+
+
+def _trace(folder: Path) -> None:
+    with (folder / "case.log").open("a") as f:
+        f.write(traceback.format_exc())
 
 
 def _finish(res: CaseResult, ctx: Ctx | None, t0: float) -> CaseResult:

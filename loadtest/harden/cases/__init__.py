@@ -1,5 +1,40 @@
-"""The cases, one module per concern; importing this package registers them all
-(runner.CASES, in the order the table lists them)."""
+"""The cases, one module per concern. Importing this package registers them all in
+`runner.CASES`, in the order the table lists them (the issue's order)."""
 from __future__ import annotations
 
-from . import events, faults, overload, timeouts  # noqa: F401
+from ..runner import CASES
+from . import admin, clients, events, faults, fuzz, memory, overload, tenants, timeouts  # noqa: F401
+
+ORDER = (
+    # 1. bursts
+    "burst_at_start", "burst_slo", "burst_3x",
+    # 2. timeouts
+    "hanging_worker", "stalled_stream", "unhealthy_inflight",
+    # 3. one tenant stalls every tenant
+    "noisy_tenant", "special_tokens",
+    # 4. tenants probing each other
+    "tenant_probe",
+    # 5, 6. the admin API
+    "admin_ipc_bind", "admin_ssrf",
+    # 7. deep JSON
+    "deep_json",
+    # workers failing
+    "worker_killed_mid_stream", "worker_killed_first_byte", "worker_reset", "worker_garbage_sse",
+    "worker_truncated_sse", "worker_500", "worker_429", "vllm_passthrough_faults",
+    # the index across failures
+    "event_gap", "publisher_restart", "gateway_restart",
+    # clients
+    "slow_readers", "client_disconnects", "body_413_keepalive",
+    # fuzzing
+    "fuzz_schemathesis", "fuzz_mutation",
+    # workers' own surface
+    "sim_peer_pull",
+    # memory
+    "memory_hostile",
+)
+
+_missing = [n for n in CASES if n not in ORDER]
+assert not _missing and set(ORDER) <= set(CASES), (_missing, set(ORDER) - set(CASES))
+_ordered = {n: CASES[n] for n in ORDER}
+CASES.clear()
+CASES.update(_ordered)

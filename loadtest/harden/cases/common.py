@@ -7,9 +7,10 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from ...ports import free_port
 from ..config import SERVED, kvroute_worker
 from ..outcome import CHAT, COMPLETION, Outcome, Spec
-from ..procs import FaultyProc, GatewayProc, SimCluster
+from ..procs import FaultyProc, GatewayProc, SimCluster, free_ports
 from ..runner import Ctx
 
 CHAT_PATH = "/v1/chat/completions"
@@ -96,20 +97,34 @@ async def wait_until(pred: Callable[[], Awaitable[bool]], timeout: float, every:
 
 
 async def fleet(ctx: Ctx, n_sim: int = 1, faulty: list[FaultyProc] | None = None, *, sim_extra: list[str] | None = None,
-                **sections: Any) -> tuple[GatewayProc, SimCluster | None, list[str]]:
+                ready: bool = False, **sections: Any) -> tuple[GatewayProc, SimCluster | None, list[str]]:
     """A gateway over `n_sim` simulated workers (one process) plus the given faulty ones;
-    returns (gateway, cluster, the gateway's ids of the simulated workers)."""
-    sc = await ctx.sim(n_sim, extra=sim_extra) if n_sim else None
+    returns (gateway, cluster, the gateway's ids of the simulated workers). The workers
+    and the gateway start at the same time (the workers on ports chosen here). The case
+    starts once every worker is healthy (`/admin/workers`); with `ready`, once `/ready`
+    says so too (how long that takes is noted either way)."""
+    base = free_ports(n_sim) if n_sim else 0
     workers: list[dict[str, Any]] = []
     sim_ids: list[str] = []
-    for w in sc.workers if sc else []:
+    for i in range(n_sim):
         wid = ctx.worker_id("hw")
         sim_ids.append(wid)
-        workers.append(kvroute_worker(wid, w.url))
+        workers.append(kvroute_worker(wid, f"http://127.0.0.1:{base + i}"))
     for fp in faulty or []:
         workers.append(kvroute_worker(fp.worker_id, fp.url))
-    gw = await ctx.gateway(ctx.config(workers, **sections))
-    await wait_all_healthy(ctx, gw, len(workers))
+    token = sections.get("admin_token")
+    sim_task = asyncio.ensure_future(ctx.sim(n_sim, base_port=base, extra=sim_extra)) if n_sim else None
+    gw_port = free_port()
+    while base <= gw_port < base + n_sim:
+        gw_port = free_port()
+    try:
+        gw = await ctx.gateway(ctx.config(workers, **sections), port=gw_port, wait_ready=ready)
+    finally:
+        sc = await sim_task if sim_task is not None else None
+    hdrs = {"Authorization": f"Bearer {token}"} if token else None
+    if not await wait_all_healthy(ctx, gw, len(workers), headers=hdrs):
+        states = [(w.get("id"), w.get("state"), w.get("reason")) for w in await ctx.workers_state(gw, hdrs)]
+        ctx.check("every worker registers at start", False, f"not all healthy 20 s after start: {states}")
     return gw, sc, sim_ids
 
 

@@ -14,7 +14,7 @@ import random
 
 from ..procs import FaultyProc, GatewayProc
 from ..runner import Ctx, case
-from .common import ask, drain, fleet, mixed, released, words
+from .common import ask, drain, faulty_stats, fleet, mixed, released, words
 
 
 async def phase(ctx: Ctx, gw: GatewayProc, n: int, *, timeout: float, label: str, worker_fault: bool,
@@ -30,16 +30,20 @@ async def phase(ctx: Ctx, gw: GatewayProc, n: int, *, timeout: float, label: str
 
 
 def deadline(ctx: Ctx) -> float:
-    """Client deadline: the small run sets 5 s first-byte/idle timeouts (runner.Ctx.timeouts);
-    `full` keeps the gateway's defaults (which must end a request well within a minute)."""
-    return float(ctx.pick(20.0, 75.0))
+    """Client deadline: the small run sets 3 s first-byte/idle timeouts (runner.Ctx.timeouts),
+    so 12 s leaves room for a timeout, a retry and a loaded machine; `full` keeps the
+    gateway's defaults, which must end a request well within a minute and a quarter."""
+    return float(ctx.pick(12.0, 75.0))
 
 
 async def _two_phases(ctx: Ctx, mode: str, *, a_fault: bool, b_fault: bool = True, n: int | None = None) -> None:
     fp = await ctx.faulty(mode)
     gw, _, sim_ids = await fleet(ctx, 1, [fp])
     n = n or ctx.pick(8, 40)
+    before = (await faulty_stats(ctx, fp)).get("completions", 0)
     await phase(ctx, gw, n, timeout=deadline(ctx), label=f"{mode}-A", worker_fault=a_fault)
+    got = (await faulty_stats(ctx, fp)).get("completions", 0) - before
+    ctx.check(f"{mode} (A): the failing worker was tried", got > 0, "no request reached it")
     await drain(ctx, gw, sim_ids[0])
     await phase(ctx, gw, max(4, n // 2), timeout=deadline(ctx), label=f"{mode}-B", worker_fault=b_fault,
                 single_worker=True)
