@@ -32,10 +32,12 @@ class Attempt:
     predicted: float | None
     prefetch: Prefetch | None
     t_dispatch: float = 0.0
+    reason: str = ""  # why the policy chose this worker (its Decision's reason; "retry" on a retry)
+    tries: int = 1  # this attempt's number (1: the first worker tried)
 
     def route_headers(self) -> list[tuple[bytes, bytes]]:
         """Which worker served, and what the planner expected (loadtest/replay.py reads these)."""
-        hdrs = [(b"x-kvroute-worker", self.worker.id.encode())]
+        hdrs = [(b"x-kvroute-worker", self.worker.id.encode()), (b"x-request-id", self.prep.request_id.encode())]
         if self.predicted is not None:
             hdrs.append((b"x-kvroute-predicted-ttft-ms", b"%.3f" % (self.predicted * 1000)))
         return hdrs

@@ -166,6 +166,48 @@ class WorkerConfig(_Strict):
         return v.rstrip("/")
 
 
+class DiscoveryConfig(_Strict):
+    """Workers behind a DNS name (a Kubernetes headless Service, a Consul name): re-resolved
+    every `interval_s`; each address becomes a worker `<id_prefix>-<host>-<port>` with the
+    fields below, added when it appears and removed when it is gone. `srv`: read SRV
+    records (their targets and ports) instead of A/AAAA records on `port`. vLLM workers'
+    `events` endpoints may use `{host}`, replaced by each worker's address."""
+
+    name: str = Field(min_length=1)
+    port: int | None = Field(default=None, ge=1, le=65535)
+    srv: bool = False
+    scheme: Literal["http", "https"] = "http"
+    id_prefix: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.-]+$")
+    interval_s: float = Field(default=10.0, gt=0)
+    kind: Literal["kvroute", "vllm"] = "kvroute"
+    model: str | None = None
+    events: EventsConfig | None = None
+    block_size: int | None = Field(default=None, gt=0)
+    max_inflight: int | None = Field(default=None, gt=0)
+    cost: CostConfig | None = None
+
+    @model_validator(mode="after")
+    def _port(self) -> DiscoveryConfig:
+        if not self.srv and self.port is None:
+            raise ValueError("port: required unless srv is true (A/AAAA records carry no port)")
+        return self
+
+    @property
+    def prefix(self) -> str:
+        """The name's first label that is not an SRV service or protocol label (`_http._tcp.`)."""
+        labels = [x for x in self.name.split(".") if x and not x.startswith("_")]
+        return self.id_prefix or (labels[0] if labels else "dns")
+
+
+class ShutdownConfig(_Strict):
+    """On SIGTERM: /ready answers 503 at once; requests are still taken for `grace_s` (a
+    load balancer notices and stops sending), then the listener closes and requests in
+    flight get up to `drain_timeout_s` to finish; then the process exits."""
+
+    grace_s: float = Field(default=5.0, ge=0)
+    drain_timeout_s: float = Field(default=30.0, ge=0)
+
+
 class PrefetchConfig(_Strict):
     enabled: bool = True
     min_blocks: int = Field(default=1, ge=1)
@@ -232,7 +274,10 @@ class TraceConfig(_Strict):
 
 class ObservabilityConfig(_Strict):
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
-    access_log: bool = False
+    log_format: Literal["json", "text"] = "json"  # JSON lines (router/logs.py) or plain text
+    # One line per completion request (request id, tenant, worker, decision reason, timings)
+    request_log: bool = True
+    access_log: bool = False  # uvicorn's own line per HTTP request (every route)
     trace: TraceConfig = Field(default_factory=TraceConfig)
     # When set, GET /metrics needs `Authorization: Bearer <token>` (tenants cannot read it).
     metrics_token: str | None = None
@@ -318,12 +363,14 @@ class Config(_Strict):
     admin: AdminConfig = Field(default_factory=AdminConfig)
     models: list[ModelConfig] = Field(min_length=1)
     workers: list[WorkerConfig] = Field(default_factory=list)
+    discovery: list[DiscoveryConfig] = Field(default_factory=list)
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     tenants: list[TenantConfig] = Field(default_factory=list)
     shared_prefixes: list[SharedPrefixConfig] = Field(default_factory=list)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     observability: ObservabilityConfig = Field(default_factory=ObservabilityConfig)
     pool: PoolConfig = Field(default_factory=PoolConfig)
+    shutdown: ShutdownConfig = Field(default_factory=ShutdownConfig)
 
     @model_validator(mode="after")
     def _cross(self) -> Config:
@@ -347,6 +394,15 @@ class Config(_Strict):
             else:
                 w.model = names[w.model]
             # a vLLM worker without `events` is allowed: routed by load alone (no index entries)
+        for i, d in enumerate(self.discovery):
+            if d.model is None:
+                if len(self.models) != 1:
+                    raise ValueError(f"discovery[{i}].model: required when several models are configured")
+                d.model = self.models[0].id
+            elif d.model not in names:
+                raise ValueError(f"discovery[{i}].model: unknown model {d.model!r}")
+            else:
+                d.model = names[d.model]
         keys: dict[str, str] = {}
         tids = set()
         for t in self.tenants:

@@ -26,13 +26,15 @@ from . import admin
 from .admin_policy import LOOPBACK_HOSTS
 from .attempt import Attempt, Out
 from .budget import ByteBudget
-from .config import Config
-from .errors import rate_limited, unavailable, upstream_failed
+from .config import Config, WorkerConfig
+from .discovery import Discovery
+from .errors import ApiError, rate_limited, unavailable, upstream_failed
 from .fidelity import KeyFidelity
 from .ingest_adapter import PoolIngest
+from .membership import Membership
 from .metrics import GatewayMetrics
 from .model import ModelRuntime, ModelTable
-from .observe import Observer
+from .observe import Observer, access
 from .passthrough import PassThrough
 from .planner.explain import explain as explain_decision
 from .planner.fleet import whole_engine_blocks
@@ -74,10 +76,14 @@ class Gateway:
         self.relay: Relay | None = None
         self.passthrough: PassThrough | None = None
         self.fidelity = KeyFidelity()
-        self.observer = Observer(self.policy, self.metrics, self.recorder, self.fidelity)
+        self.observer = Observer(self.policy, self.metrics, self.recorder, self.fidelity,
+                                 self.policy_name if cfg.observability.request_log else None)
         self._bg: set[asyncio.Task[Any]] = set()
         self._admin_timeout = aiohttp.ClientTimeout(total=2.0, connect=cfg.pool.connect_timeout_s)
         self.metrics.add_state_collector(self._collect_state)
+        self.membership: Membership | None = None
+        self.discovery: Discovery | None = None
+        self.stopping = False  # SIGTERM: not ready, finishing what is in flight
         self.started = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -101,15 +107,47 @@ class Gateway:
             on_state=self._on_worker_state,
             on_refused=lambda w, code: self.metrics.worker_refused.labels(w.id, code).inc(),
         )
-        self.prefetcher = Prefetcher(self.session, prefetch_rule(cfg.routing.prefetch), self.metrics, self._spawn,
+        self.prefetcher = Prefetcher(self.session, prefetch_rule(cfg.routing.prefetch), self.metrics, self.spawn,
                                      cfg.pool.connect_timeout_s)
         self.relay = Relay(self.session, self.pool, self.observer, cfg.pool)
         self.passthrough = PassThrough(self.session, self.pool, self.observer, cfg.pool)
-        for wc in cfg.workers:
-            self.pool.add(wc)
+        self.membership = Membership(self.pool)
+        await self.membership.set_static(cfg.workers, "config")
+        if cfg.discovery:
+            self.discovery = Discovery(cfg.discovery, self._on_discovered)
+            await self.discovery.start()
         self.started = True
 
+    def _on_discovered(self, workers: dict[str, WorkerConfig]) -> None:
+        assert self.membership is not None
+        self.membership.set_discovered(workers)
+        self.spawn(self.membership.reconcile("dns"))
+
+    async def reload(self, new: Config) -> dict[str, Any]:
+        """A re-read config file (SIGHUP): the worker list and discovery entries apply now;
+        other sections need a restart, and the log says which changed."""
+        assert self.membership is not None
+        old = self.cfg
+        if new.discovery != old.discovery:
+            if self.discovery is not None:
+                await self.discovery.close()
+                self.discovery = None
+            self.membership.set_discovered({})
+            if new.discovery:
+                self.discovery = Discovery(new.discovery, self._on_discovered)
+                await self.discovery.start()
+        diff = await self.membership.set_static(new.workers, "reload")
+        later = [k for k in type(new).model_fields if k not in ("workers", "discovery")
+                 and getattr(new, k) != getattr(old, k)]
+        if later:
+            log.warning("config reloaded; these sections changed but apply only after a restart: %s",
+                        ", ".join(later), extra={"kv": {"restart_needed": later}})
+        self.cfg = old.model_copy(update={"workers": new.workers, "discovery": new.discovery})
+        return {**diff.as_dict(), "restart_needed": later}
+
     async def close(self) -> None:
+        if self.discovery is not None:
+            await self.discovery.close()
         for t in list(self._bg):
             t.cancel()
         if self._bg:
@@ -135,7 +173,8 @@ class Gateway:
         if cal is not None and hasattr(cal, "forget"):
             cal.forget(worker_id)
 
-    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        """A background task the gateway owns (cancelled on close)."""
         t = asyncio.get_running_loop().create_task(coro)
         self._bg.add(t)
         t.add_done_callback(self._bg.discard)
@@ -148,8 +187,9 @@ class Gateway:
         assert pool is not None
         per_model = {m: len(pool.routable(m)) for m in self.models.by_id}
         indexing = sorted(w.id for m in self.models.by_id for w in pool.healthy(m) if not pool.indexed(w))
-        ok = all(per_model.values()) and not indexing
-        return ok, {"healthy_workers": per_model, "indexing_workers": indexing, "tokenizers_loaded": True}
+        ok = all(per_model.values()) and not indexing and not self.stopping
+        return ok, {"healthy_workers": per_model, "indexing_workers": indexing, "tokenizers_loaded": True,
+                    "stopping": self.stopping}
 
     # ------------------------------------------------------------------ prepare, decide
 
@@ -231,6 +271,12 @@ class Gateway:
         holds the tenant's concurrency slot (taken before any work on the request)."""
         try:
             return await self._dispatch(prep, out)
+        except ApiError as e:
+            if self.observer.request_log is not None:
+                access.info("request refused", extra={"kv": {
+                    "request_id": prep.request_id, "response_id": prep.rid, "tenant": prep.tenant.id,
+                    "model": prep.model.id, "status": e.status, "code": e.code, "policy": self.policy_name}})
+            raise
         finally:
             self.tenancy.remember_salt(prep.tenant, prep.cache_salt)
 
@@ -262,7 +308,7 @@ class Gateway:
                 m.child(m.retries, "before_first_byte").inc()
             tried += 1
             try:
-                return await self._attempt(prep, d, rr, w, estimates.get(wid), out)
+                return await self._attempt(prep, d, rr, w, estimates.get(wid), out, tried)
             except UpstreamError as e:
                 if not e.retryable:
                     raise (e.api_error or upstream_failed("A worker failed to answer.")) from None
@@ -279,7 +325,8 @@ class Gateway:
         raise upstream_failed("The worker failed before answering; retry the request.")
 
     async def _attempt(
-        self, prep: Prepared, d: Decision, rr: RouteRequest, w: Worker, est: Estimate | None, out: Out
+        self, prep: Prepared, d: Decision, rr: RouteRequest, w: Worker, est: Estimate | None, out: Out,
+        tries: int = 1,
     ) -> int:
         """One try on worker `w`: prefetch (for the chosen worker), count, relay."""
         assert self.pool is not None and self.prefetcher is not None
@@ -294,7 +341,7 @@ class Gateway:
         rec = self.pool.dispatched(w, prefill, len(prep.ids) + prep.max_tokens, est)
         try:
             await self._let_prefetch_lead(pf)
-            a = Attempt(prep, w, rec, rr, predicted, pf)
+            a = Attempt(prep, w, rec, rr, predicted, pf, reason=d.reason if chosen else "retry", tries=tries)
             if w.kind == "vllm":
                 return await self.passthrough.run(a, out)
             return await self.relay.run(a, out)

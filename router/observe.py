@@ -21,15 +21,18 @@ from .recorder import TraceRecorder
 from .worker import Worker
 
 log = logging.getLogger("kvroute.observe")
+access = logging.getLogger("kvroute.request")
 
 
 class Observer:
     def __init__(self, policy: Policy, metrics: GatewayMetrics, recorder: TraceRecorder | None,
-                 fidelity: KeyFidelity) -> None:
+                 fidelity: KeyFidelity, request_log: str | None = None) -> None:
+        """`request_log`: the policy's name, to log one line per request (None: no line)."""
         self.policy = policy
         self.metrics = metrics
         self.recorder = recorder
         self.fidelity = fidelity
+        self.request_log = request_log
 
     def done(self, a: Attempt, res: Result, ok: bool) -> None:
         """Metrics, calibration, prefetch and fidelity accounting once the request is over."""
@@ -59,6 +62,26 @@ class Observer:
             self._fidelity(a, res, match)
         if self.recorder is not None and ok:
             self.recorder.record(prep.t_arrival, prep.ids, prep.plan.scoped, ct)
+        if self.request_log is not None and access.isEnabledFor(logging.INFO):
+            self._log(a, res, ok)
+
+    def _log(self, a: Attempt, res: Result, ok: bool) -> None:
+        """One line per request, its fields top-level keys of the JSON line."""
+        prep = a.prep
+        ms = 1000.0
+        kv = {
+            "request_id": prep.request_id, "response_id": prep.rid, "tenant": prep.tenant.id,
+            "model": prep.model.id, "worker": a.worker.id, "policy": self.request_log, "reason": a.reason,
+            "tries": a.tries, "ok": ok, "stream": prep.stream,
+            "prompt_tokens": len(prep.ids), "cached_tokens": res.cached_tokens,
+            "completion_tokens": res.completion_tokens,
+            "ttft_ms": None if res.t_first is None else round((res.t_first - prep.t_arrival) * ms, 2),
+            "worker_ttft_ms": None if res.t_first is None else round((res.t_first - a.t_dispatch) * ms, 2),
+            "predicted_ttft_ms": None if a.predicted is None else round(a.predicted * ms, 2),
+            "e2e_ms": round((time.monotonic() - prep.t_arrival) * ms, 2),
+            "routing_ms": round((a.t_dispatch - prep.t_arrival) * ms, 3),
+        }
+        access.info("request done" if ok else "request failed", extra={"kv": kv})
 
     def _calibrate(self, a: Attempt, t_first: float, kv: dict[str, Any] | None) -> None:
         # The model predicts from dispatch on (queue + load + prefill); compare like with like.

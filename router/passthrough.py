@@ -68,7 +68,7 @@ class PassThrough:
         """Relay one attempt; raises UpstreamError (retryable) before the first byte."""
         w = a.worker
         path = "/v1/chat/completions" if a.prep.chat else "/v1/completions"
-        headers = {"content-type": "application/json", "x-request-id": a.prep.rid,
+        headers = {"content-type": "application/json", "x-request-id": a.prep.request_id,
                    "accept": "text/event-stream" if a.prep.stream else "application/json"}
         a.t_dispatch = time.monotonic()
         # A stream's status line comes at once (within the first-byte window); a whole

@@ -18,6 +18,7 @@ from typing import Any
 from .config import LimitsConfig
 from .errors import ApiError, bad_request, model_not_found
 from .keyplan import KeyPlan
+from .logs import client_request_id
 from .metrics import GatewayMetrics
 from .model import ModelRuntime, ModelTable
 from .schema import (
@@ -59,6 +60,7 @@ class Prepared:
     raw: dict[str, Any] | None = None  # the client's body, for pass-through workers
     max_tokens_asked: bool = True  # False: `max_tokens` is the gateway's default, not the client's
     ours_error: ApiError | None = None  # why our own workers cannot serve it (None: they can)
+    request_id: str = ""  # the client's X-Request-Id, else `rid`: in logs, and sent to the worker
 
 
 class Preparer:
@@ -94,7 +96,7 @@ class Preparer:
         return Prepared(
             rid, chat, tenant, model, req.model, ids, plan, mt, req.stream, include_usage, sampling,
             req.cache_salt, t0, int(time.time()), keys_s, raw, requested_max_tokens(req) is not None,
-            ours_problem(raw, req, self.limits.max_stop_sequences),
+            ours_problem(raw, req, self.limits.max_stop_sequences), client_request_id(headers) or rid,
         )
 
     def _decode(

@@ -22,7 +22,7 @@ from .schema import api_error_from_upstream
 
 _DONE = b"[DONE]"
 _MAX_EVENT = 8 << 20
-_JSON = {"content-type": "application/json", "accept": "text/event-stream"}
+JSON_SSE = {"content-type": "application/json", "accept": "text/event-stream"}
 
 
 @dataclass(slots=True)
@@ -112,7 +112,7 @@ class Abortable(Protocol):
 
 async def post(
     session: aiohttp.ClientSession, url: str | URL, payload: bytes, worker_id: str, timeout: aiohttp.ClientTimeout,
-    headers: dict[str, str] = _JSON, relay_4xx: bool = False, header_timeout_s: float | None = None,
+    headers: dict[str, str] = JSON_SSE, relay_4xx: bool = False, header_timeout_s: float | None = None,
     slot: Abortable | None = None,
 ) -> aiohttp.ClientResponse:
     """POST and check the status; the body is not read yet. A 200 (and, with `relay_4xx`,
@@ -192,11 +192,12 @@ async def _send(
 async def open_stream(
     session: aiohttp.ClientSession, url: str | URL, payload: bytes, worker_id: str, timeout: aiohttp.ClientTimeout,
     first_timeout_s: float = 600.0, idle_timeout_s: float = 600.0, slot: Abortable | None = None,
+    headers: dict[str, str] = JSON_SSE,
 ) -> UpstreamStream:
     """POST to our worker and check the status; the stream is not read yet. The status
     line and the first event share one `first_timeout_s` window."""
     t0 = time.monotonic()
-    resp = await post(session, url, payload, worker_id, timeout, header_timeout_s=first_timeout_s, slot=slot)
+    resp = await post(session, url, payload, worker_id, timeout, headers, header_timeout_s=first_timeout_s, slot=slot)
     left = max(0.001, first_timeout_s - (time.monotonic() - t0))
     return UpstreamStream(resp, worker_id, left, idle_timeout_s)
 

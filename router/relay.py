@@ -23,7 +23,7 @@ from .errors import ApiError
 from .observe import Observer
 from .pool import WorkerPool
 from .prepare import Prepared
-from .proxy import UpstreamError, UpstreamStream, open_stream
+from .proxy import JSON_SSE, UpstreamError, UpstreamStream, open_stream
 from .responses import (
     SSE_DONE,
     STREAM_FAILED,
@@ -81,8 +81,10 @@ class Relay:
         if url is None:
             url = w.completions_url = URL(w.url + "/v1/completions")
         t = self.timeouts
+        # the engine's id stays ours (unique in flight); the client's own id travels beside it
+        hdrs = JSON_SSE if a.prep.request_id == a.prep.rid else {**JSON_SSE, "x-request-id": a.prep.request_id}
         up = await open_stream(self.session, url, self.payload(a.prep, w), w.id, self.timeout,
-                               t.first_byte_s(a.predicted), t.idle_timeout_s, slot=a.rec.ticket)
+                               t.first_byte_s(a.predicted), t.idle_timeout_s, slot=a.rec.ticket, headers=hdrs)
         a.rec.ticket.abort = up.close  # the worker died: end this request now
         self.pool.accepted(a.rec)
         try:

@@ -4,20 +4,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+import signal
 import socket
+import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
+from pathlib import Path
+from types import FrameType
 
 import uvicorn
 
 from .app import GatewayAPI
-from .config import Config
+from .config import Config, ConfigError, load_config
 from .gateway import Gateway
+from .logs import setup_logging
 
-
-def setup_logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level, logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+log = logging.getLogger("kvroute.server")
 
 
 def uvicorn_config(app: GatewayAPI, cfg: Config, sock_port: int | None = None) -> uvicorn.Config:
@@ -35,16 +38,87 @@ def uvicorn_config(app: GatewayAPI, cfg: Config, sock_port: int | None = None) -
     )
 
 
-def serve(cfg: Config) -> int:
-    """Run the gateway until SIGINT/SIGTERM (uvicorn handles the signals)."""
-    setup_logging(cfg.observability.log_level)
+def serve(cfg: Config, config_path: str | Path | None = None, reuse_port: bool = False) -> int:
+    """Run the gateway until SIGINT/SIGTERM: SIGTERM stops gracefully (router/config.py
+    ShutdownConfig), SIGHUP re-reads `config_path` (its worker list applies now).
+    `reuse_port`: bind with SO_REUSEPORT, one of several processes on one port."""
     gw = Gateway(cfg)
-    server = uvicorn.Server(uvicorn_config(GatewayAPI(gw), cfg))
+    ucfg = uvicorn_config(GatewayAPI(gw), cfg)
+    ucfg.timeout_graceful_shutdown = int(math.ceil(cfg.shutdown.drain_timeout_s))
+    setup_logging(cfg.observability.log_level, cfg.observability.log_format,  # after uvicorn set up its own
+                  cfg.observability.access_log)
+    server = GatewayServer(ucfg, gw, cfg.shutdown.grace_s, Path(config_path) if config_path else None)
+    sockets = [listen_socket(cfg.listen.host, cfg.listen.port, reuse_port)] if reuse_port else None
+    hup = signal.signal(signal.SIGHUP, server.handle_hup) if config_path else None
     try:
-        server.run()
+        server.run(sockets=sockets)
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
         pass
+    finally:
+        if hup is not None:
+            signal.signal(signal.SIGHUP, hup)
     return 0 if server.started else 1
+
+
+def listen_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
+    """A bound TCP socket (uvicorn listens on it); with SO_REUSEPORT the kernel spreads
+    connections over every process bound to the same port."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    return sock
+
+
+class GatewayServer(uvicorn.Server):
+    """uvicorn with the gateway's signals. Handlers only set flags (they run between
+    bytecodes of whatever was running); `on_tick`, every 0.1 s on the loop, acts on them."""
+
+    def __init__(self, config: uvicorn.Config, gw: Gateway, grace_s: float, config_path: Path | None) -> None:
+        super().__init__(config)
+        self.gw = gw
+        self.grace_s = grace_s
+        self.config_path = config_path
+        self._stop_at: float | None = None
+        self._hup = False
+        self._announced = False
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.gw.stopping = True
+        if sig != signal.SIGTERM:  # Ctrl-C: uvicorn's way (a second one forces the exit)
+            super().handle_exit(sig, frame)
+        elif self._stop_at is None and not self.should_exit:
+            self._stop_at = time.monotonic() + self.grace_s  # not ready now; stop taking requests later
+        else:  # a second SIGTERM: stop taking requests now. Not recorded: the exit stays clean (code 0)
+            self.should_exit = True
+
+    def handle_hup(self, sig: int, frame: FrameType | None) -> None:
+        self._hup = True
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.gw.stopping and not self._announced:
+            self._announced = True
+            log.info("stopping: /ready answers 503; requests are taken for %.1f s more, then those in flight "
+                     "get %d s to finish", self.grace_s if self._stop_at else 0.0,
+                     self.config.timeout_graceful_shutdown or 0)
+        if self._stop_at is not None and time.monotonic() >= self._stop_at:
+            self.should_exit = True
+        if self._hup:
+            self._hup = False
+            self.gw.spawn(self._reload())
+        return await super().on_tick(counter)
+
+    async def _reload(self) -> None:
+        assert self.config_path is not None
+        try:
+            new = await asyncio.to_thread(load_config, self.config_path)
+        except ConfigError as e:
+            log.error("SIGHUP: config not reloaded, the running one stays: %s", e)
+            return
+        diff = await self.gw.reload(new)
+        log.info("SIGHUP: config reloaded from %s", self.config_path, extra={"kv": diff})
 
 
 class _EmbeddedServer(uvicorn.Server):

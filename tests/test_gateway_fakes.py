@@ -50,6 +50,7 @@ class FakeWorker:
     gpu_blocks: int | None = None  # vLLM's num_gpu_blocks in /metrics (None: not exported)
     prompt_skew: int = 0  # counts this many more prompt tokens than the bundled tokenizer (a mis-keyed worker)
     embeddings: list[dict[str, Any]] = field(default_factory=list)
+    completion_headers: list[dict[str, str]] = field(default_factory=list)  # each completion request's headers
     port: int = 0
 
     @property
@@ -138,6 +139,7 @@ class FakeWorker:
             await reply(200, {"object": "list", "data": [{"object": "embedding", "index": 0, "embedding": [0.5, 0.25]}],
                               "model": self.model, "usage": {"prompt_tokens": 2, "total_tokens": 2}})
         elif path in ("/v1/completions", "/v1/chat/completions"):
+            self.completion_headers.append({k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]})
             await self._complete(msgspec.json.decode(body), reply, send, receive, path.endswith("chat/completions"))
         else:
             await reply(404, {"error": {"message": "no", "type": "x", "param": None, "code": None}})
