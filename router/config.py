@@ -272,6 +272,16 @@ class TraceConfig(_Strict):
     max_ids: int = Field(default=10_000_000, gt=0)
 
 
+class OtelConfig(_Strict):
+    """OpenTelemetry traces (router/tracing.py): a span per request when the SDK is installed.
+    `endpoint`: an OTLP/HTTP traces URL (e.g. http://collector:4318/v1/traces); without it
+    the process's global tracer provider is used."""
+
+    enabled: bool = False
+    endpoint: str | None = None
+    service_name: str = "kvroute-gateway"
+
+
 class ObservabilityConfig(_Strict):
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     log_format: Literal["json", "text"] = "json"  # JSON lines (router/logs.py) or plain text
@@ -279,6 +289,7 @@ class ObservabilityConfig(_Strict):
     request_log: bool = True
     access_log: bool = False  # uvicorn's own line per HTTP request (every route)
     trace: TraceConfig = Field(default_factory=TraceConfig)
+    otel: OtelConfig = Field(default_factory=OtelConfig)
     # When set, GET /metrics needs `Authorization: Bearer <token>` (tenants cannot read it).
     metrics_token: str | None = None
 

@@ -48,6 +48,7 @@ from .recorder import TraceRecorder
 from .relay import Relay
 from .tenancy import Tenancy, Tenant
 from .tokenize import Tokenization, Tokenizer
+from .tracing import RequestTracer
 from .worker import State, Worker
 
 log = logging.getLogger("kvroute.gateway")
@@ -77,7 +78,8 @@ class Gateway:
         self.passthrough: PassThrough | None = None
         self.fidelity = KeyFidelity()
         self.observer = Observer(self.policy, self.metrics, self.recorder, self.fidelity,
-                                 self.policy_name if cfg.observability.request_log else None)
+                                 cfg.observability.request_log,
+                                 RequestTracer.build(cfg.observability.otel), self.policy_name)
         self._bg: set[asyncio.Task[Any]] = set()
         self._admin_timeout = aiohttp.ClientTimeout(total=2.0, connect=cfg.pool.connect_timeout_s)
         self.metrics.add_state_collector(self._collect_state)
@@ -272,7 +274,7 @@ class Gateway:
         try:
             return await self._dispatch(prep, out)
         except ApiError as e:
-            if self.observer.request_log is not None:
+            if self.observer.request_log:
                 access.info("request refused", extra={"kv": {
                     "request_id": prep.request_id, "response_id": prep.rid, "tenant": prep.tenant.id,
                     "model": prep.model.id, "status": e.status, "code": e.code, "policy": self.policy_name}})

@@ -18,6 +18,7 @@ from .metrics import GatewayMetrics
 from .planner.types import Policy
 from .prefetch import Prefetch
 from .recorder import TraceRecorder
+from .tracing import RequestTracer
 from .worker import Worker
 
 log = logging.getLogger("kvroute.observe")
@@ -26,13 +27,16 @@ access = logging.getLogger("kvroute.request")
 
 class Observer:
     def __init__(self, policy: Policy, metrics: GatewayMetrics, recorder: TraceRecorder | None,
-                 fidelity: KeyFidelity, request_log: str | None = None) -> None:
-        """`request_log`: the policy's name, to log one line per request (None: no line)."""
+                 fidelity: KeyFidelity, request_log: bool = False, tracer: RequestTracer | None = None,
+                 policy_name: str = "") -> None:
+        """`request_log`: one log line per request; `tracer`: a span per request (None: no traces)."""
         self.policy = policy
         self.metrics = metrics
         self.recorder = recorder
         self.fidelity = fidelity
         self.request_log = request_log
+        self.tracer = tracer
+        self.policy_name = policy_name
 
     def done(self, a: Attempt, res: Result, ok: bool) -> None:
         """Metrics, calibration, prefetch and fidelity accounting once the request is over."""
@@ -62,16 +66,21 @@ class Observer:
             self._fidelity(a, res, match)
         if self.recorder is not None and ok:
             self.recorder.record(prep.t_arrival, prep.ids, prep.plan.scoped, ct)
-        if self.request_log is not None and access.isEnabledFor(logging.INFO):
-            self._log(a, res, ok)
+        logged = self.request_log and access.isEnabledFor(logging.INFO)
+        if logged or self.tracer is not None:
+            kv = self._record(a, res, ok)
+            if logged:
+                access.info("request done" if ok else "request failed", extra={"kv": kv})
+            if self.tracer is not None:
+                self.tracer.request(prep.t_arrival, ok, kv)
 
-    def _log(self, a: Attempt, res: Result, ok: bool) -> None:
-        """One line per request, its fields top-level keys of the JSON line."""
+    def _record(self, a: Attempt, res: Result, ok: bool) -> dict[str, Any]:
+        """What the request log line and the trace span say about one request."""
         prep = a.prep
         ms = 1000.0
-        kv = {
+        return {
             "request_id": prep.request_id, "response_id": prep.rid, "tenant": prep.tenant.id,
-            "model": prep.model.id, "worker": a.worker.id, "policy": self.request_log, "reason": a.reason,
+            "model": prep.model.id, "worker": a.worker.id, "policy": self.policy_name, "reason": a.reason,
             "tries": a.tries, "ok": ok, "stream": prep.stream,
             "prompt_tokens": len(prep.ids), "cached_tokens": res.cached_tokens,
             "completion_tokens": res.completion_tokens,
@@ -81,7 +90,6 @@ class Observer:
             "e2e_ms": round((time.monotonic() - prep.t_arrival) * ms, 2),
             "routing_ms": round((a.t_dispatch - prep.t_arrival) * ms, 3),
         }
-        access.info("request done" if ok else "request failed", extra={"kv": kv})
 
     def _calibrate(self, a: Attempt, t_first: float, kv: dict[str, Any] | None) -> None:
         # The model predicts from dispatch on (queue + load + prefill); compare like with like.

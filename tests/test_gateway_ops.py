@@ -111,8 +111,8 @@ async def test_a_refused_request_is_logged_with_its_status(request_lines: Any) -
 def test_the_request_log_can_be_switched_off() -> None:
     from router.gateway import Gateway
 
-    assert Gateway(_cfg(observability={"request_log": False})).observer.request_log is None
-    assert Gateway(_cfg()).observer.request_log == "kv_cost"
+    assert Gateway(_cfg(observability={"request_log": False})).observer.request_log is False
+    assert Gateway(_cfg()).observer.request_log is True
 
 
 # ---------------------------------------------------------------------- a real `kvroute serve` process
@@ -450,3 +450,62 @@ def test_worker_for_fills_the_template() -> None:
     assert w.events.replay_endpoint == "tcp://[fd00::7]:5558"
     with pytest.raises(ValueError, match="port"):
         DiscoveryConfig(name="x", model=MODEL)
+
+
+# ---------------------------------------------------------------------- OpenTelemetry
+
+
+async def test_each_request_is_a_span_when_tracing_is_on() -> None:
+    pytest.importorskip("opentelemetry.sdk", reason="the OpenTelemetry SDK (extra `otel`) is not installed")
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from test_gateway_errors import DIGEST
+
+    from router.tracing import RequestTracer
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    a = FakeWorker("a", DIGEST, token_delay_s=0.05)
+    async with fleet([a], _cfg(observability={"otel": {"enabled": True}})) as (gw, url):
+        tracer = RequestTracer(provider.get_tracer("test"), gw.observer.tracer.status)  # type: ignore[union-attr]
+        gw.observer.tracer = tracer  # the global provider is process-wide: the test's own instead
+        t0 = time.time_ns()
+        async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions", json={**_body(), "max_tokens": 4},
+                                                        headers={"X-Request-Id": "span-1"}) as r:
+            assert r.status == 200
+            await r.read()
+        t1 = time.time_ns()
+    (span,) = exporter.get_finished_spans()
+    assert span.name == "kvroute.request" and span.status.is_ok
+    attrs = dict(span.attributes or {})
+    assert attrs["kvroute.request_id"] == "span-1" and attrs["kvroute.worker"] == "a"
+    assert attrs["kvroute.policy"] == "kv_cost" and attrs["kvroute.reason"]
+    assert all(v is not None for v in attrs.values())
+    assert span.start_time is not None and span.end_time is not None
+    assert t0 <= span.start_time < span.end_time <= t1 + 10**6
+    assert span.end_time - span.start_time >= 0.15e9  # the whole request: four tokens 50 ms apart
+    assert trace.get_tracer_provider() is not provider
+
+
+def test_tracing_off_or_without_the_sdk_costs_nothing() -> None:
+    from router.config import OtelConfig
+    from router.tracing import RequestTracer
+
+    assert RequestTracer.build(OtelConfig()) is None
+    import builtins
+
+    real = builtins.__import__
+
+    def no_otel(name: str, *args: Any, **kw: Any) -> Any:
+        if name.startswith("opentelemetry"):
+            raise ImportError(name)
+        return real(name, *args, **kw)
+
+    builtins.__import__ = no_otel
+    try:
+        assert RequestTracer.build(OtelConfig(enabled=True)) is None
+    finally:
+        builtins.__import__ = real
