@@ -1,4 +1,4 @@
-"""`kvroute kv-size`: KV-cache bytes per token, per block and per request (DESIGN.md §4.5).
+"""`kvroute kv-size`: KV-cache bytes per token, per block and per request (docs/design.md §4.5).
 
     bytes = 2 · B · S · L · H · D · (Q / 8)
 

@@ -1,4 +1,4 @@
-"""The gateway's configuration: one YAML file, pydantic-validated, env overrides (DESIGN.md §4.6).
+"""The gateway's configuration: one YAML file, pydantic-validated, env overrides (docs/design.md §4.6).
 
 Why pydantic at this edge: a bad config must fail at start with the field path and the
 reason (`workers[1].url: ...`), not as an AttributeError on the first request.

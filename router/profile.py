@@ -1,6 +1,6 @@
 """Model defaults from a hardware/model profile YAML (configs/profiles/*.yaml), read as data.
 
-The gateway never imports `workers` (DESIGN.md §3), but a profile is the single source
+The gateway never imports `workers` (docs/design.md §3), but a profile is the single source
 of a simulated fleet's namespace and speeds, so the gateway reads the same YAML: the
 model id, KV dtype, parallel layout and block size give the namespace (which must equal
 what the workers report in /info), and the geometry, compute and tier sections give

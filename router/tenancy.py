@@ -2,7 +2,7 @@
 
 The tenant's salt enters the request's namespace, so its block keys (the router's and,
 through the wire `cache_salt`, the worker's) differ from every other tenant's: one
-tenant can neither hit nor time another's cache (DESIGN.md §8). Purge must name every
+tenant can neither hit nor time another's cache (docs/design.md §8). Purge must name every
 wire salt a tenant used, so the gateway remembers them (bounded). Declared shared
 prefixes stay unsalted on our workers; vLLM workers are salted from block 0. With no
 tenants, auth is off. Details: docs/gateway.md.

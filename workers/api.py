@@ -1,6 +1,6 @@
 """The `Engine` interface behind the worker HTTP app (workers/app.py).
 
-One HTTP surface (DESIGN.md §4.3, docs/wire.md) serves every engine: the simulated one
+One HTTP surface (docs/design.md §4.3, docs/wire.md) serves every engine: the simulated one
 (workers/sim/driver.py) now, the real torch engine (workers/engine/) later. The app
 speaks OpenAI and the wire contract; an engine only deals in token ids, blocks and
 usage. Everything an engine needs to plug in is here:

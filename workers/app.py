@@ -1,4 +1,4 @@
-"""The worker HTTP surface (DESIGN.md §4.3, docs/wire.md): one FastAPI app for every engine.
+"""The worker HTTP surface (docs/design.md §4.3, docs/wire.md): one FastAPI app for every engine.
 
 `WorkerApp` holds the handler groups (workers/web/: OpenAI completions, models and
 tokenizer, /kv/*, ops), each handler a plain method taking a Request, and gives every

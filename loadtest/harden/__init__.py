@@ -1,7 +1,7 @@
 """`kvroute loadtest harden`: the adversarial suite (docs/harden.md).
 
 Starts a real gateway and real worker processes (simulated workers, and faulty ones
-from `faulty.py`) per case, sends what the issue lists — bursts, hanging and broken
+from `faulty.py`) per case, sends each failure docs/harden.md lists — bursts, hanging and broken
 workers, hostile tenants, the admin API, fuzzed bodies, restarts — and prints one table:
 requests sent, answered, refused, 5xx (relayed or not), hung, lost, wrong, per case.
 """

@@ -18,7 +18,7 @@ from .runner import CASES, SIZES, Settings, env_summary, run_suite
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size", choices=SIZES, default="small",
-                   help="small: every case, a few minutes (CI); full: the issue's numbers")
+                   help="small: every case, a few minutes (CI); full: the sizes docs/harden.md reports")
     p.add_argument("--cases", default=None, help="comma list of cases to run (default: all); `list` lists them")
     p.add_argument("--skip", default=None, help="comma list of cases not to run")
     p.add_argument("--out", default=None, help="output folder (default: runs/harden-<time>/)")

@@ -1,4 +1,4 @@
-"""The simulated engine (DESIGN.md §3): a vLLM-like worker with tiered KV, on a real
+"""The simulated engine (docs/design.md §3): a vLLM-like worker with tiered KV, on a real
 clock behind the HTTP app (driver.py) or on a virtual clock inside the offline
 simulator (engine.py, used as a library). Never imports torch or workers.engine.
 Layout and model: docs/sim-engine.md."""

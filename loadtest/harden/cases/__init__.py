@@ -1,5 +1,5 @@
 """The cases, one module per concern. Importing this package registers them all in
-`runner.CASES`, in the order the table lists them (the issue's order)."""
+`runner.CASES`, in the order the table lists them (docs/harden.md's order)."""
 from __future__ import annotations
 
 from ..runner import CASES

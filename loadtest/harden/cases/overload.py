@@ -98,7 +98,7 @@ async def burst_slo(ctx: Ctx) -> None:
     n = ctx.pick(150, 800)
     await _burst(ctx, gw, n, timeout=ctx.pick(90, 240), prefix_share=True, mix=False)
     # The SLO limits what is admitted, so no capacity target here: only a floor that a gateway
-    # shedding nearly everything misses (the issue saw 3-11 of 800 served): a quarter of the
+    # shedding nearly everything misses (before the fix: 3-11 of 800 served): a quarter of the
     # fleet's running slots.
     want = nw * seqs // 4
     got = ctx.result.counts[ANSWERED]
