@@ -203,3 +203,15 @@ def test_preemption_on_a_tiny_pool_keeps_every_answer_exact(lm: LoadedModel) -> 
     for rid, ids in prompts.items():
         assert tokens(out[rid]) == reference(lm, ids, p.max_tokens)[0], rid
     assert all(b.ref == 0 for b in core.blocks.blocks)
+
+
+def test_calibration_fits_a_small_pool(lm: LoadedModel) -> None:
+    """A pool too small for a budget-sized chunk after as much context still gets its speeds
+    measured before traffic (smaller chunks), so /load reports them from the start."""
+    core = core_of(lm, num_blocks=40, max_num_batched_tokens=1024)  # 640 tokens: chunks of 16, 128, 319
+    assert core.speeds().prefill_tokens_per_s is None
+    core.calibrate()
+    sp = core.speeds()
+    assert core.prefill_fit.samples == 6 and sp.prefill_tokens_per_s is not None and sp.prefill_tokens_per_s > 0
+    assert sp.decode_step_s is not None and sp.decode_step_s > 0
+    assert core.blocks.used() == 0 and not core.seqs  # calibration leaves the pool as it found it

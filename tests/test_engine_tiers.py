@@ -238,6 +238,35 @@ def test_offload_events_and_cascade_order(lm: LoadedModel, tmp_path: Path, cores
     assert digest64(keys[0]) not in gone_cpu  # the chain's root is the most recent: it stays
 
 
+def test_chain_leaving_the_pool_in_two_evictions_through_a_full_cpu_tier_keeps_every_block(
+        lm: LoadedModel, tmp_path: Path, cores: list[EngineCore]) -> None:
+    """BASE's 32 blocks leave the device pool children first, in two evictions (the last 10,
+    then the other 22) through a CPU tier of 12 blocks: making room for the second batch
+    writes the first batch down to DISK, the boundary block (a child of a block of the
+    batch still being offloaded) included. No block may be lost there: the whole chain
+    stays below the pool, the events say so, and a request reuses all 31 shared blocks."""
+    core = make_core(lm, tmp_path, disk=True, cpu_blocks=12)
+    cores.append(core)
+    keys = warm(core)
+    chain = core.new_sequence("k", BASE, GREEDY).keys[:32]
+    assert core.tiers is not None
+    with core.lock:
+        assert core.blocks.evict_cached(10) == 10  # the tail: blocks 22..31
+    assert core.tiers.drain()
+    to_cpu(core)  # blocks 0..21, parents first, evicting 22..31 from CPU to DISK
+    evs = events(core)
+    snap = core.tiers.snapshot()
+    below = snap[Tier.CPU] | snap[Tier.DISK]
+    assert [i for i, k in enumerate(chain) if k not in below] == []
+    assert not removed(evs, "DISK") and stored(evs, "DISK") == {digest64(k) for k in snap[Tier.DISK]}
+    assert core.tiers.stats.offload_dropped == 0
+    toks, logits, seq = serve(core, "b", IDS)
+    assert seq.usage.cached_tokens == 496 and seq.usage.recomputed_tokens == 37
+    assert seq.usage.loaded_tokens["CPU"] + seq.usage.loaded_tokens["DISK"] == 496
+    check_exact(lm, toks, logits)
+    assert keys == chain[:31]
+
+
 # ---------------------------------------------------------------------------------- faults
 
 
@@ -434,6 +463,44 @@ def test_request_joins_a_prefetch_in_flight(lm: LoadedModel, tmp_path: Path, cor
     check_exact(lm, toks, logits)
     assert seq.usage.loaded_tokens["DISK"] == 496 and seq.usage.prefetched_tokens == 496
     assert core.tiers.disk.stats.hits - hits == 31  # type: ignore[union-attr]  # one read per block
+
+
+def test_a_request_waiting_for_room_starts_when_a_prefetch_lands(lm: LoadedModel, tmp_path: Path,
+                                                                 cores: list[EngineCore],
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gateway's order on a worker with a small pool: a prefetch takes 31 of its 40
+    blocks, then the request arrives and cannot be admitted until they land (joining the
+    prefetch it would need them twice). The engine thread sleeps meanwhile; the landing
+    must wake it, or the request waits for the next arrival, however long that is."""
+    import threading
+
+    from workers.engine.loop import EngineThread
+
+    core = make_core(lm, tmp_path, disk=True, num_blocks=40)
+    cores.append(core)
+    keys = warm(core)
+    below_cpu(core)
+    tiers = core.tiers
+    assert tiers is not None and tiers.disk is not None
+    get = tiers.disk.get
+
+    def slow_get(key: bytes) -> Any:  # the engine thread has gone to sleep before the blocks land
+        time.sleep(0.01)
+        return get(key)
+
+    monkeypatch.setattr(tiers.disk, "get", slow_get)
+    done = threading.Event()
+    thread = EngineThread(core, lambda ups: [done.set() for u in ups if u.finished])
+    thread.start()
+    try:
+        with core.lock:
+            assert tiers.prefetch("p", keys, 30.0) == 31
+        seq = core.new_sequence("b", IDS, GREEDY)
+        thread.submit(seq)
+        assert done.wait(20), f"request not started: {seq.status}, prefetches in flight {len(tiers.prefetches)}"
+    finally:
+        thread.stop()
+    assert seq.usage.prefetched_tokens == 496 and seq.usage.loaded_tokens["DISK"] == 496
 
 
 def test_prefetch_queue_bound_cancel_and_deadline(lm: LoadedModel, tmp_path: Path, cores: list[EngineCore]) -> None:

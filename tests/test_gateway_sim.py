@@ -277,9 +277,13 @@ def test_kvroute_cli_help_and_exec_wiring() -> None:
     r = subprocess.run([sys.executable, "-m", "kvroute.cli", "serve", "--config", "/nonexistent.yaml"],
                        cwd=ROOT, capture_output=True, text=True, timeout=30)
     assert r.returncode == 2 and "config error" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "kvroute.cli", "up", "--workers", "1"],
+    r = subprocess.run([sys.executable, "-m", "kvroute.cli", "up", "--help"],
                        cwd=ROOT, capture_output=True, text=True, timeout=30)
-    assert r.returncode == 2 and "--sim" in r.stderr  # no silent fallback to simulated workers
+    assert r.returncode == 0 and "--sim" in r.stdout and "--engine-arg" in r.stdout  # real workers, --sim one flag away
+    for fleet in ([], ["--sim"]):  # `up`'s own validation answered, before any worker was started
+        r = subprocess.run([sys.executable, "-m", "kvroute.cli", "up", *fleet, "--workers", "0", "--port", "9"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=30)
+        assert r.returncode == 2 and "--workers must be at least 1" in r.stderr and "starting" not in r.stderr
 
 
 async def test_error_classes_against_sim_workers(cluster: list[str]) -> None:

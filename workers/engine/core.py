@@ -407,7 +407,8 @@ class EngineCore:
         few sizes, fresh and after as much context, and decode steps, run on free blocks
         whose content nobody reads. Only on an idle engine with an untouched pool."""
         budget = self.cfg.max_num_batched_tokens
-        sizes = sorted({max(2, min(budget, n)) for n in (self.bs, 128, 512, 2048)})
+        room = (self.blocks.num_blocks * self.bs - 1) // 2  # a chunk after as much context, in the pool
+        sizes = sorted({max(2, min(budget, room, n)) for n in (self.bs, 128, 512, 2048)})
         need = -(-(2 * sizes[-1] + 1) // self.bs)
         if self.seqs or self.blocks.used() or need > self.blocks.num_blocks:
             return

@@ -238,6 +238,8 @@ class KVTiers:
         self._write_cond = threading.Condition(lock)
         self._stopping = False
         self._clean_target = 0
+        self._arriving: set[bytes] = set()  # evicted blocks `offload` has not placed in CPU yet
+        self._arrival_kept: dict[bytes, list[tuple[Tier, bytes]]] = {}  # their children written below meanwhile
         if self.host is not None:
             self._clean_target = max(1, int(self.host.capacity * cfg.clean_fraction))
         if cfg.disk is not None:
@@ -333,10 +335,26 @@ class KVTiers:
         if host is None:
             return
         chain = _parents_first(evicted)
+        # Making room writes the oldest CPU blocks below in line, maybe children of blocks of
+        # this batch (a chain leaving the pool over several evictions, children first): out
+        # of the pool and not yet in CPU, those parents count as held while they are on
+        # their way (`_writes_done`); a child kept so is taken back if its parent is dropped.
+        self._arriving = {e.key for e in chain}
+        self._arrival_kept = {}
+        try:
+            self._offload(chain)
+        finally:
+            self._arriving, self._arrival_kept = set(), {}
+        self._keep_clean()
+
+    def _offload(self, chain: list[EvictedBlock]) -> None:
+        host = self.host
+        assert host is not None
         copies: list[tuple[int, Slot]] = []
         for e in chain:
             s = host.get(e.key)
             if s is not None:  # inclusive tiers: the CPU copy is still there
+                self._arriving.discard(e.key)
                 self._queue_remote_on_gpu_evict(s)
                 continue
             if not host.free and copies:
@@ -344,17 +362,20 @@ class KVTiers:
                 # its BlockStored must come first
                 self._place(copies)
                 copies = []
-            sid = self._free_slot()  # (may evict CPU blocks: the parent check comes after)
             parent = e.meta.parent
+            sid = None
+            if parent is None or self.held(parent):  # else an orphan: its parent is held nowhere
+                sid = self._free_slot()  # (may evict CPU blocks: the parent check comes again after)
+            self._arriving.discard(e.key)
             if sid is None or (parent is not None and not self.held(parent)):
-                if sid is not None:  # an orphan: its parent is held nowhere any more
+                if sid is not None:  # its parent went to make room, and was not kept below
                     host.free.append(sid)
+                self._retract(self._arrival_kept.pop(e.key, []))  # its children kept below: orphans now
                 self.stats.offload_dropped += 1
                 continue
             copies.append((e.block_id, host.add(sid, e.key, e.meta, e.salt)))
         if copies:
             self._place(copies)
-        self._keep_clean()
 
     def _place(self, copies: list[tuple[int, Slot]]) -> None:
         """Copy evicted blocks into their new CPU slots, publish them, queue REMOTE writes."""
@@ -589,12 +610,15 @@ class KVTiers:
             if w.ok:
                 self.stats.written_bytes[w.tier.name] += self.block_bytes
                 parent = s.meta.parent
-                if s.purged or (parent is not None and not self.held(parent) and parent not in stored[w.tier]):
+                if s.purged or (parent is not None and not self.held(parent) and parent not in stored[w.tier]
+                                and parent not in self._arriving):
                     undo[w.tier].append(key)  # purged meanwhile, or an orphan: take it back
                 elif key not in mirror:
                     mirror[key] = Held(s.salt, w.meta)
                     stored[w.tier].append(key)
                     metas[key] = s.meta
+                    if parent is not None and parent in self._arriving:
+                        self._arrival_kept.setdefault(parent, []).append((w.tier, key))
             host.unpin(s)
             if s.leaving and not s.writing_disk and not s.writing_remote:
                 leaving.append(s)
@@ -606,6 +630,18 @@ class KVTiers:
             self._remove_cpu(leaving)
         for tier, keys in undo.items():
             if keys:
+                self._writes.append(_Write(None, tier, keys))
+                self._write_cond.notify()
+
+    def _retract(self, kept: list[tuple[Tier, bytes]]) -> None:
+        """Take back blocks written below and published (under the lock): forget them,
+        publish their removal, queue their discard."""
+        for tier in (Tier.DISK, Tier.REMOTE):
+            mirror = self.disk_keys if tier is Tier.DISK else self.remote_keys
+            keys = [k for t, k in kept if t is tier and mirror.pop(k, None) is not None]
+            if keys:
+                self.stats.evicted[tier.name] += len(keys)
+                self.blocks.events.append(BlockRemoved(block_hashes(keys), tier.name))
                 self._writes.append(_Write(None, tier, keys))
                 self._write_cond.notify()
 
@@ -1119,6 +1155,7 @@ class KVTiers:
         for load, _ in pf.waiters:
             if load.pending == 0 and not load.done:
                 self._finish_load(load)
+        self.wake.notify_all()  # its blocks are cached now: a request waiting for room may go
 
     # ------------------------------------------------------------------ purge (under the lock)
 
