@@ -46,8 +46,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
         cfg.listen.host = a.host
     if a.port is not None:
         cfg.listen.port = a.port
-    if a.processes < 1:
-        print("kvroute serve: --processes must be at least 1", file=sys.stderr)
+    if a.processes < 1 or (a.replicas is not None and a.replicas < 1):
+        print("kvroute serve: --processes and --replicas must be at least 1", file=sys.stderr)
         return 2
     if a.processes > 1:
         from router.logs import setup_logging
@@ -58,6 +58,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
             return 2
         setup_logging(cfg.observability.log_level, cfg.observability.log_format)
         return Supervisor(a.processes, Path(a.config), cfg.listen.host, cfg.listen.port).run()
+    if a.replicas is not None:
+        cfg.routing.replicas = max(cfg.routing.replicas, a.replicas)
     return serve(cfg, config_path=a.config, reuse_port=a.reuse_port)
 
 
@@ -78,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="N gateway processes on one port (SO_REUSEPORT), each a full replica (docs/replicas.md)")
     s.add_argument("--reuse-port", action="store_true",
                    help="bind with SO_REUSEPORT, to share the port with other gateway processes")
+    s.add_argument("--replicas", type=int, default=None, metavar="N",
+                   help="gateway replicas sharing the fleet (raises routing.replicas to N; --processes sets it)")
     s.set_defaults(fn=cmd_serve)
     u = sub.add_parser("up", help="gateway on 127.0.0.1:8000 + N local workers (real engine; --sim: simulated)")
     add_up_arguments(u)

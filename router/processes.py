@@ -3,7 +3,8 @@
 One Python process routes on one core; the kernel spreads connections over every
 process bound to the port with SO_REUSEPORT. Each child is a full replica: it
 subscribes to every worker's KV events (ZMQ PUB fans out), polls load, and keeps its
-own index (docs/replicas.md says why sharing in-flight counts is not needed). This
+own index; each counts its own dispatches not yet in a load report N times, for the
+others' it cannot see (routing.replicas; docs/replicas.md). This
 parent only supervises: signals are forwarded (SIGTERM stops each gracefully, SIGHUP
 reloads each), a child that dies is restarted, too many deaths stop everything.
 """
@@ -27,7 +28,7 @@ class Supervisor:
     def __init__(self, n: int, config_path: Path, host: str, port: int) -> None:
         self.n = n
         self.cmd = [sys.executable, "-m", "kvroute.cli", "serve", "--config", str(config_path), "--host", host,
-                    "--port", str(port), "--reuse-port"]
+                    "--port", str(port), "--reuse-port", "--replicas", str(n)]
         self.children: list[subprocess.Popen[bytes] | None] = [None] * n
         self.stopping = False
         self.deaths: deque[float] = deque()

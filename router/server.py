@@ -117,6 +117,8 @@ class GatewayServer(uvicorn.Server):
         except ConfigError as e:
             log.error("SIGHUP: config not reloaded, the running one stays: %s", e)
             return
+        # `--replicas` (set by `--processes`) is a floor the file does not know about
+        new.routing.replicas = max(new.routing.replicas, self.gw.cfg.routing.replicas)
         diff = await self.gw.reload(new)
         log.info("SIGHUP: config reloaded from %s", self.config_path, extra={"kv": diff})
 

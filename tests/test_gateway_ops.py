@@ -509,3 +509,25 @@ def test_tracing_off_or_without_the_sdk_costs_nothing() -> None:
         assert RequestTracer.build(OtelConfig(enabled=True)) is None
     finally:
         builtins.__import__ = real
+
+
+# ---------------------------------------------------------------------- replicas
+
+
+def test_a_replica_counts_its_unseen_dispatches_for_the_others() -> None:
+    from router.gateway import Gateway
+    from router.planner.inflight import InflightLedger
+    from router.planner.types import CostParams, WorkerView
+
+    led = InflightLedger("w", replicas=2)
+    led.dispatched(0.0, 100, 120)
+    t = led.dispatched(0.0, 50, 60)
+    v = WorkerView("w", CostParams(block_size=16, block_bytes=1 << 21, prefill_tokens_per_s=1e4))
+    led.fill(v, 0.0)
+    assert v.inflight_since_report_requests == 4 and v.inflight_since_report_prefill_tokens == 300
+    assert v.inflight_requests == 2 and v.inflight_prefill_tokens == 150  # its own, counted once
+    led.accepted(t, 0.1)
+    led.report_taken(sent_at=0.2)  # the report knows `t`: only the other is unseen now
+    led.fill(v, 0.3)
+    assert v.inflight_since_report_requests == 2 and v.inflight_since_report_prefill_tokens == 200
+    assert Gateway(_cfg(routing={"policy": "kv_cost", "replicas": 3})).cfg.routing.replicas == 3
