@@ -252,11 +252,14 @@ async def test_prefetch_sent_when_blocks_sit_on_cpu(tmp_path: Path) -> None:
             assert await _wait(lambda: dict(rt.index.match(digests)[holder.id].runs).get(Tier.CPU, 0) > 0)
             await _wait(lambda: holder.view.running_requests == 0 and holder.view.waiting_requests == 0)
             sent = gw.metrics.prefetch_sent._value.get()
+            used = gw.metrics.prefetch_used_tokens._value.get()
             raw = await c.completions.with_raw_response.create(model=MODEL, prompt=first, max_tokens=1)
             r = raw.parse()
             assert gw.metrics.prefetch_sent._value.get() == sent + 1
             kv = (r.usage.model_extra or {})["kv"]
             assert r.usage.prompt_tokens_details.cached_tokens > 16 * 50
+            # what the worker reported using is what the gateway counts as used
+            assert gw.metrics.prefetch_used_tokens._value.get() - used == kv["prefetched_tokens"]
             if raw.headers["x-kvroute-worker"] == holder.id:
                 # served from the offloaded copy: loaded from CPU, or raised to GPU by the prefetch first
                 assert kv["loaded_tokens"]["CPU"] + kv["prefetched_tokens"] > 0, kv
