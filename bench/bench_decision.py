@@ -15,6 +15,11 @@ thread CPU time, which a busy shared machine does not inflate) and of each phase
 /admin/route/explain pays), shown for comparison.
 
     .venv/bin/python bench/bench_decision.py [--iters N] [--workers W]
+
+`--background-blocks N` adds N more unrelated blocks (random keys, each on a random
+worker's GPU, half also on a CPU tier, some on DISK / REMOTE, as bench/bench_index.py
+fills its index) before measuring: `--background-blocks 10000000` is the decision
+against a 10M-block index (memory: ~4 GB).
 """
 from __future__ import annotations
 
@@ -118,6 +123,26 @@ def build(n_workers: int, rng: random.Random):
     return ns, hasher, index, convs, views
 
 
+def add_background(index: PrefixIndex, ids: list[str], n_blocks: int, rng: random.Random) -> None:
+    """`n_blocks` unrelated blocks in 512-block chunks, spread over workers and tiers."""
+    import os
+
+    done = 0
+    while done < n_blocks:
+        n = min(512, n_blocks - done)
+        raw = os.urandom(32 * n)
+        keys = [raw[i : i + 32] for i in range(0, 32 * n, 32)]
+        index.store_keys(rng.choice(ids), keys, Tier.GPU)
+        r = rng.random()
+        if r < 0.5:
+            index.store_keys(rng.choice(ids), keys, Tier.CPU)
+        if r < 0.2:
+            index.store_keys(rng.choice(ids), keys, Tier.DISK)
+        if r < 0.1:
+            index.store_keys(rng.choice(ids), keys, Tier.REMOTE)
+        done += n
+
+
 def pct(xs: list[float], q: float) -> float:
     s = sorted(xs)
     return s[min(len(s) - 1, int(q * len(s)))]
@@ -128,9 +153,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=2000)
     ap.add_argument("--workers", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--background-blocks", type=int, default=0, help="more unrelated indexed blocks (10M: 10000000)")
     args = ap.parse_args(argv)
     rng = random.Random(42)
     ns, hasher, index, convs, views = build(args.workers, rng)
+    if args.background_blocks:
+        t_fill = time.perf_counter()
+        add_background(index, [v.worker_id for v in views], args.background_blocks, rng)
+        print(f"added {args.background_blocks:,} background blocks in {time.perf_counter() - t_fill:.0f} s")
     print(f"index: {len(index)} blocks, {index.entries()} entries, {args.workers} workers")
     prompts = [c[:PROMPT] for c in convs]
     sample = index.match(digests64(hasher.keys_for(prompts[0], ns)))
@@ -170,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
                     cpu.append((c1 - c0) / 1e3)
             samples[label].append((tot, tk, tl, ts, cpu))
     print(
-        f"\n{'policy':<14}{'p50 µs':>9}{'p99 µs':>9}{'p99 best':>10}{'cpu p50':>9}{'cpu p99':>9}"
+        f"\n{'policy':<20}{'p50 µs':>9}{'p99 µs':>9}{'p99 best':>10}{'cpu p50':>9}{'cpu p99':>9}"
         f"{'keys p50':>10}{'lookup p50':>12}{'score p50':>11}{'score p99':>11}"
     )
     cpu99 = {}
@@ -184,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         best_p99[label] = min(pct(r[0], 0.99) for r in rounds)
         cpu99[label] = pct(cpu, 0.99)
         print(
-            f"{label:<14}{statistics.median(tot):>9.0f}{pct(tot, 0.99):>9.0f}{best_p99[label]:>10.0f}"
+            f"{label:<20}{statistics.median(tot):>9.0f}{pct(tot, 0.99):>9.0f}{best_p99[label]:>10.0f}"
             f"{statistics.median(cpu):>9.0f}{cpu99[label]:>9.0f}"
             f"{statistics.median(tk):>10.0f}{statistics.median(tl):>12.0f}{statistics.median(ts):>11.0f}"
             f"{pct(ts, 0.99):>11.0f}"

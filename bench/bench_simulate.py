@@ -1,7 +1,7 @@
 """Offline-simulator speed: simulated requests per second of wall time.
 
     .venv/bin/python bench/bench_simulate.py [--trace FILE] [--limit N] [--workers 8]
-        [--block-sizes 16,64] [--policies round_robin,kv_cost,oracle] [--repeat 3]
+        [--block-sizes 16,64] [--policies round_robin,kv_cost,kv_cost_true_state] [--repeat 3]
 
 For each block size and policy, the Mooncake trace (default: the first half in
 $LOADTEST_TRACES, 5,606 requests) runs `--repeat` times on a cold fleet; prints the
@@ -36,7 +36,7 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--profile", default="h200-llama3.1-8b")
     ap.add_argument("--block-sizes", default="64,16")
-    ap.add_argument("--policies", default="round_robin,kv_cost,oracle")
+    ap.add_argument("--policies", default="round_robin,kv_cost,kv_cost_true_state")
     ap.add_argument("--repeat", type=int, default=1)
     a = ap.parse_args()
     try:

@@ -1,4 +1,4 @@
-"""`kvroute up`: the gateway on 127.0.0.1:8000 and N local workers, one command (DESIGN.md §4.5).
+"""`kvroute up`: the gateway on 127.0.0.1:8000 and N local workers, one command (docs/design.md §4.5).
 
 Real workers by default: N processes of `python -m workers.cli engine` (the torch engine,
 docs/engine.md) serving the bundled tiny Llama, each with a CPU tier, a DISK tier under

@@ -3,7 +3,7 @@ report, compare, trace.
 
     replay    --trace FILE [--url http://127.0.0.1:8000] [--speed X] [--concurrency N] ...
     simulate  --trace FILE --workers N --profile NAME --policies a,b,... [--tiers T | --tier-sweep]
-              [--find-load] ...
+              [--target-util U | --find-load] ...
     scenario  list | all | NAME [--size small|full]
     harden    [--size small|full] [--cases a,b | list] [--out DIR]   (adversarial suite, docs/harden.md)
     report    RESULTS.jsonl... --out DIR
@@ -178,6 +178,10 @@ def _router_settings(args: argparse.Namespace) -> Any:
         rs = replace(rs, route_delay_s=args.route_delay[0], route_delay_s_per_token=args.route_delay[1])
     if args.send_delay is not None:
         rs = replace(rs, send_delay_s=args.send_delay[0], send_delay_s_per_token=args.send_delay[1])
+    order = getattr(args, "gateway_order", "none")
+    hold = getattr(args, "hold_target", None)
+    if order != "none" or hold is not None:
+        rs = replace(rs, gateway_order=order, hold_target_s=hold, max_hold_s=getattr(args, "max_hold", 2.0))
     return rs
 
 
@@ -185,16 +189,26 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from router.planner.registry import POLICY_NAMES
 
     from .fleet import TIER_SWEEP, parse_tiers
-    from .report import baseline_table, cache_table, latency_table, write_report
+    from .report import (
+        baseline_table,
+        cache_table,
+        latency_table,
+        prediction_table,
+        slowdown_table,
+        summaries,
+        write_report,
+    )
     from .results import ResultsWriter
-    from .summary import summarize
-    from .sweep import find_load, plan_jobs, run_matrix
+    from .summary import ideal_by_index, summarize
+    from .sweep import find_load, find_util_speed, ideal_for, plan_jobs, run_matrix
 
     trace = _load(args)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     bad = [p for p in policies if p not in POLICY_NAMES]
     if bad or not policies:
         raise TraceError(f"unknown policy {bad or args.policies!r}; choose from {', '.join(POLICY_NAMES)}")
+    if args.load_policy not in POLICY_NAMES:
+        raise TraceError(f"unknown --load-policy {args.load_policy!r}; choose from {', '.join(POLICY_NAMES)}")
     tier_sets = list(TIER_SWEEP) if args.tier_sweep else [args.tiers]
     for t in tier_sets:
         parse_tiers(t)
@@ -203,7 +217,22 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     notes: list[str] = []
     speed = args.speed
-    if args.find_load:
+    if args.target_util is not None:
+        if args.find_load:
+            raise TraceError("--target-util and --find-load are exclusive")
+        base = _sim_settings(args, tier_sets[-1])
+
+        def show(pr: Any) -> None:
+            line = (f"load search: {args.load_policy} at speed {pr.speed:.4g}: utilisation {pr.utilisation:.1%}, "
+                    f"TTFT p50 {pr.p50 * 1000:.0f} ms, p99 {pr.p99 * 1000:.0f} ms")
+            print(line, flush=True)
+            notes.append(line)
+
+        speed, _probes = find_util_speed(trace, base, args.target_util, policy=args.load_policy,
+                                         params=params.get(args.load_policy), on_probe=show)
+        notes.append(f"chosen speed {speed:.4g}: {args.load_policy} keeps the fleet's prefill busy fraction near "
+                     f"{args.target_util:.0%}")
+    elif args.find_load:
         base = _sim_settings(args, tier_sets[-1])
         found, probes = find_load(trace, base, ratio=args.target_ratio)
         for pr in probes:
@@ -221,21 +250,35 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     jobs = plan_jobs(policies, tier_sets, params)
     res_path = out / "results.jsonl"
     with ResultsWriter(res_path) as w:
+        ideal = None
+        if not args.no_ideal:
+            ideal = ideal_for(trace, _sim_settings(args, tier_sets[0]))
+            w.write_run(ideal.meta, ideal.results)
+        ideal_map = ideal_by_index(ideal) if ideal is not None else None
+
         def done(run: Any) -> None:
             w.write_run(run.meta, run.results)
-            s = summarize(run)
+            s = summarize(run, ideal_map)
+            slow = f"  slowdown p99 {s.slowdown['p99']:.2f}" if s.slowdown else ""
             print(f"  {run.meta.run:<28} TTFT p50 {s.ttft['p50'] * 1000:8.1f} ms  p99 {s.ttft['p99'] * 1000:9.1f} ms"
-                  f"  ok {s.ok}/{s.requests}  ({run.meta.wall_s:.1f} s wall)", flush=True)
+                  f"  mean {s.ttft['mean'] * 1000:8.1f} ms{slow}  util {s.utilisation:.1%}  ok {s.ok}/{s.requests}"
+                  f"  ({run.meta.wall_s:.1f} s wall)", flush=True)
 
         runs = run_matrix(trace, _sim_settings(args, tier_sets[0]), jobs, parallel=args.jobs, on_run=done)
-    sums = [summarize(r) for r in runs]
+        if ideal is not None:
+            runs = [ideal, *runs]
+    sums = summaries(runs)
     notes = _trace_notes(trace, speed) + [
-        f"fleet: {args.workers} x {args.profile}, block size {runs[0].meta.params.get('block_size')}, "
+        f"fleet: {args.workers} x {args.profile}, block size {runs[-1].meta.params.get('block_size')}, "
         f"load poll {args.poll_interval:g} s, event lag {args.event_lag:g} s, prefetch "
         f"{'off' if args.no_prefetch else 'on'}"] + notes
     md = write_report(runs, out, title=f"Simulation of {trace.name}", notes=notes, plots=not args.no_plots)
     print()
     print(latency_table(sums))
+    print()
+    print(slowdown_table(sums))
+    print()
+    print(prediction_table(sums))
     print()
     print(baseline_table(sums))
     print()
@@ -357,12 +400,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("simulate", help="offline discrete-event comparison of routing policies")
     _add_trace_args(p)
     _add_fleet_args(p)
-    p.add_argument("--policies", default="round_robin,least_loaded,prefix_hash,cache_aware,dynamo,kv_cost,oracle")
+    p.add_argument("--policies",
+                   default="round_robin,least_loaded,prefix_hash,cache_aware,dynamo,kv_cost,kv_cost_true_state")
     p.add_argument("--tiers", default="all", help="gpu | gpu,cpu | gpu,cpu,disk | gpu,cpu,disk,remote | all")
     p.add_argument("--tier-sweep", action="store_true", help="run every policy with gpu, gpu,cpu, gpu,cpu,disk, all")
     p.add_argument("--find-load", action="store_true",
                    help="pick the speed where round_robin's p99 TTFT >= --target-ratio x its p50")
     p.add_argument("--target-ratio", type=float, default=5.0)
+    p.add_argument("--target-util", type=float, default=None, metavar="U",
+                   help="pick the speed at which --load-policy keeps the fleet's prefill busy fraction near U "
+                        "(e.g. 0.8, 0.95); every run's utilisation is reported")
+    p.add_argument("--load-policy", default="round_robin", help="the reference policy of --target-util")
+    p.add_argument("--no-ideal", action="store_true", help="leave out the ideal run (the physical limit)")
     p.add_argument("--param", action="append", default=[], help="policy parameter: POLICY.NAME=VALUE")
     p.add_argument("--jobs", type=int, default=1, help="simulations in parallel processes")
     p.add_argument("--out", default=None)
@@ -434,6 +483,14 @@ def _add_fleet_args(p: argparse.ArgumentParser) -> None:
                    help="client → gateway delay before routing, seconds [+ seconds per prompt token]")
     g.add_argument("--send-delay", type=_delay, default=None, metavar="S[,S_PER_TOKEN]",
                    help="gateway → worker delay (and the first byte back), seconds [+ seconds per prompt token]")
+    g.add_argument("--gateway-order", choices=("none", "fifo", "spf"), default="none",
+                   help="the gateway's own queue: none = route on arrival; fifo / spf = bind what arrives at one "
+                        "instant in arrival order / fewest predicted prefill tokens first (router/planner/"
+                        "gateway_queue.py)")
+    g.add_argument("--hold-target", type=float, default=None, metavar="S",
+                   help="late binding: hold requests at the gateway while every worker's predicted queue exceeds S")
+    g.add_argument("--max-hold", type=float, default=2.0, metavar="S",
+                   help="fairness bound of the gateway queue: a request held S seconds is bound first")
 
 
 def _delay(text: str) -> tuple[float, float]:

@@ -1,11 +1,15 @@
 """Markdown report + PNG plots for one or more runs (replays and/or simulations).
 
-Tables: TTFT / TPOT / E2E p50-p95-p99, throughput, hit rate per tier, recompute
-avoided, prefetch hidden time, predicted-vs-actual TTFT error, and each run against
-its baselines — no routing (`round_robin`, same tiers and mode) and no offload
-(same policy, GPU-only tiers) — as ratios of p50 and p99, not averages alone.
+Tables: TTFT (p50-p95-p99 and mean) / TPOT / E2E, throughput; TTFT and slowdown
+(TTFT / ideal TTFT) p50-p95-p99-mean per run beside the `ideal` run (the physical
+limit, loadtest/ideal.py) with each run's utilisation (prefill busy fraction); hit
+rate per tier, recompute avoided, prefetch hidden time; the planner's prediction
+error per run (|actual - predicted| / actual for the chosen worker); and each run
+against its baselines — no routing (`round_robin`, same tiers and mode) and no
+offload (same policy, GPU-only tiers) — as ratios of p50 and p99, not averages alone.
 Plots (matplotlib, Agg backend: no display needed): TTFT CDF per run, TTFT
-percentiles per run, prompt tokens served per tier, predicted vs actual TTFT.
+percentiles per run, prompt tokens served per tier, predicted vs actual TTFT (all
+runs together, and one plot per run).
 """
 from __future__ import annotations
 
@@ -16,8 +20,9 @@ from typing import Any
 
 import numpy as np
 
+from .ideal import IDEAL
 from .results import Run
-from .summary import TIERS, RunSummary, summarize
+from .summary import TIERS, RunSummary, ideal_by_index, summarize
 
 
 def _ms(x: float) -> str:
@@ -41,35 +46,85 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(out)
 
 
+def _x(x: float | None) -> str:
+    return "–" if x is None or math.isnan(x) else f"{x:.2f}"
+
+
+def summaries(runs: Sequence[Run]) -> list[RunSummary]:
+    """Every run's summary, with the slowdown against the ideal run of the same trace,
+    profile and block size when the runs include one."""
+    ideals = {_ideal_key(r): ideal_by_index(r) for r in runs if r.meta.mode == IDEAL}
+    return [summarize(r, ideals.get(_ideal_key(r))) for r in runs]
+
+
+def _ideal_key(r: Run) -> tuple[str, str | None, object]:
+    return (r.meta.trace, r.meta.profile, r.meta.params.get("block_size"))
+
+
 def latency_table(sums: Sequence[RunSummary]) -> str:
     rows = []
     for s in sums:
         rows.append(
             [s.run, f"{s.ok}/{s.requests}"]
-            + [_ms(s.ttft[k]) for k in ("p50", "p95", "p99")]
+            + [_ms(s.ttft[k]) for k in ("p50", "p95", "p99", "mean")]
             + [_ms(s.tpot[k]) for k in ("p50", "p95", "p99")]
             + [_ms(s.e2e[k]) for k in ("p50", "p95", "p99")]
             + [f"{s.throughput_rps:.2f}", f"{s.output_tps:.0f}", _ms(s.client_queue_p99)]
         )
     return _table(
-        ["run", "ok", "TTFT p50 ms", "p95", "p99", "TPOT p50 ms", "p95", "p99", "E2E p50 ms", "p95", "p99",
+        ["run", "ok", "TTFT p50 ms", "p95", "p99", "mean", "TPOT p50 ms", "p95", "p99", "E2E p50 ms", "p95", "p99",
          "req/s", "out tok/s", "client queue p99 ms"],
         rows,
     )
 
 
+def slowdown_table(sums: Sequence[RunSummary]) -> str:
+    """TTFT and slowdown (TTFT / ideal TTFT) p50/p95/p99/mean per run, with utilisation."""
+    rows = []
+    for s in sums:
+        sl = s.slowdown or {}
+        rows.append(
+            [s.run, _pct(s.utilisation)]
+            + [_ms(s.ttft[k]) for k in ("p50", "p95", "p99", "mean")]
+            + [_x(sl.get(k)) for k in ("p50", "p95", "p99", "mean")]
+        )
+    return _table(
+        ["run", "utilisation", "TTFT p50 ms", "p95", "p99", "mean", "slowdown p50", "p95", "p99", "mean"], rows
+    )
+
+
+def prediction_table(sums: Sequence[RunSummary]) -> str:
+    """The planner's TTFT prediction for the chosen worker: |actual - predicted| / actual.
+    `from bind`: both measured from the moment the request was bound to its worker (what
+    the cost model predicts; it differs from the TTFT columns only when a gateway queue
+    held the request first)."""
+    rows = []
+    for s in sums:
+        if s.mode == IDEAL:
+            continue
+        st = s.stats
+        rows.append([
+            s.run, str(s.pred_requests), _pct(s.pred_abs_rel_err_p50), _pct(s.pred_abs_rel_err_p90),
+            _pct(s.pred_bias),
+            _pct(st.get("pred_err_bind_p50", math.nan)), _pct(st.get("pred_err_bind_p90", math.nan)),
+            _pct(st.get("pred_bias_bind_p50", math.nan)),
+        ])
+    return _table(["run", "predicted", "|err| p50", "p90", "bias p50", "from bind |err| p50", "p90", "bias p50"],
+                  rows)
+
+
 def cache_table(sums: Sequence[RunSummary]) -> str:
     rows = []
     for s in sums:
+        if s.mode == IDEAL:
+            continue
         rows.append(
             [s.run]
             + [_pct(s.hit_rate.get(t, 0.0)) for t in TIERS]
-            + [_pct(s.recompute_avoided), str(s.prefetch_requests), f"{s.prefetch_hidden_s:.2f}",
-               _pct(s.pred_abs_rel_err_p50), _pct(s.pred_abs_rel_err_p90), _pct(s.pred_bias)]
+            + [_pct(s.recompute_avoided), str(s.prefetch_requests), f"{s.prefetch_hidden_s:.2f}"]
         )
     return _table(
-        ["run"] + [f"hit {t}" for t in TIERS]
-        + ["recompute avoided", "prefetched reqs", "prefetch hidden s", "|pred err| p50", "p90", "bias p50"],
+        ["run"] + [f"hit {t}" for t in TIERS] + ["recompute avoided", "prefetched reqs", "prefetch hidden s"],
         rows,
     )
 
@@ -97,7 +152,7 @@ def baseline_table(sums: Sequence[RunSummary]) -> str:
 
 def markdown(runs: Sequence[Run], title: str = "kvroute load test", notes: Sequence[str] = (),
              plots: Sequence[str] = ()) -> str:
-    sums = [summarize(r) for r in runs]
+    sums = summaries(runs)
     parts = [f"# {title}", ""]
     for n in notes:
         parts.append(f"- {n}")
@@ -105,17 +160,24 @@ def markdown(runs: Sequence[Run], title: str = "kvroute load test", notes: Seque
         parts.append("")
     parts += ["## Runs", ""]
     parts.append(_table(
-        ["run", "mode", "policy", "tiers", "trace", "speed", "workers", "profile", "errors"],
+        ["run", "mode", "policy", "tiers", "trace", "speed", "workers", "profile", "utilisation", "errors"],
         [[r.meta.run, r.meta.mode, r.meta.policy or "–", r.meta.tiers, r.meta.trace, f"{r.meta.speed:g}",
-          str(r.meta.workers or "–"), r.meta.profile or "–",
+          str(r.meta.workers or "–"), r.meta.profile or "–", _pct(s.utilisation),
           ", ".join(f"{k}: {v}" for k, v in s.errors.items()) or "0"] for r, s in zip(runs, sums, strict=True)],
     ))
     parts += ["", "## Latency (ms) and throughput", "", latency_table(sums)]
+    parts += ["", "## TTFT and slowdown against the ideal", "",
+              "Slowdown = TTFT / ideal TTFT per request; `ideal` = each request alone on an idle worker with every "
+              "block it could reuse already on GPU (the physical limit: no run can beat it). Utilisation = the "
+              "fleet's prefill busy fraction over the arrival window.", "", slowdown_table(sums)]
+    parts += ["", "## Prediction (chosen worker)", "",
+              "|err| = |actual − predicted| / actual TTFT of the planner's estimate for the worker it chose "
+              "(targets: p50 <= 10%, p90 <= 25%); bias = median (predicted − actual) / actual.", "",
+              prediction_table(sums)]
     parts += ["", "## Against the baselines (TTFT ratio, < 1 is better)", "", baseline_table(sums)]
-    parts += ["", "## Cache, prefetch and prediction", "",
+    parts += ["", "## Cache and prefetch", "",
               "Hit = share of prompt tokens served from each tier; recompute avoided = share not prefilled; "
-              "prefetch hidden = load seconds taken off critical paths; pred err = |predicted − actual| / actual "
-              "TTFT of the planner's estimate.", "", cache_table(sums)]
+              "prefetch hidden = load seconds taken off critical paths.", "", cache_table(sums)]
     stat_runs = [(s.run, s.stats) for s in sums if s.stats]
     if stat_runs:
         parts += ["", "## Run counters", ""]
@@ -141,7 +203,7 @@ def plot_all(runs: Sequence[Run], out_dir: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    sums = [summarize(r) for r in runs]
+    sums = summaries(runs)
     paths: list[Path] = []
 
     def save(fig: Any, name: str) -> None:
@@ -191,24 +253,46 @@ def plot_all(runs: Sequence[Run], out_dir: Path) -> list[Path]:
     pred_runs = [r for r in runs if any(x.predicted_ttft_s is not None and x.ok for x in r.results)]
     if pred_runs:
         fig, ax = plt.subplots(figsize=(6, 6))
-        lo, hi = math.inf, 0.0
+        if _scatter_pred(ax, pred_runs, np):
+            ax.set_title("Planner prediction vs actual")
+            save(fig, "predicted_vs_actual.png")
+        else:
+            plt.close(fig)
         for r in pred_runs:
-            pts = [(x.ttft_s, x.predicted_ttft_s) for x in r.results if x.ok and x.predicted_ttft_s is not None]
-            a = np.array(pts) * 1000
-            a = a[(a > 0).all(axis=1)]
-            if a.size:
-                ax.scatter(a[:, 0], a[:, 1], s=4, alpha=0.5, label=r.meta.run)
-                lo, hi = min(lo, a.min()), max(hi, a.max())
-        if hi > 0:
-            ax.plot([lo, hi], [lo, hi], "k--", lw=1)
-            ax.set_xscale("log")
-            ax.set_yscale("log")
-        ax.set_xlabel("actual TTFT (ms)")
-        ax.set_ylabel("predicted TTFT (ms)")
-        ax.set_title("Planner prediction vs actual")
-        ax.legend(fontsize=8)
-        save(fig, "predicted_vs_actual.png")
+            fig, ax = plt.subplots(figsize=(5.5, 5.5))
+            if _scatter_pred(ax, [r], np):
+                s = next(x for x in sums if x.run == r.meta.run)
+                ax.set_title(f"{r.meta.run}: predicted vs actual TTFT\n|err| p50 {_pct(s.pred_abs_rel_err_p50)}, "
+                             f"p90 {_pct(s.pred_abs_rel_err_p90)}", fontsize=9)
+                save(fig, f"predicted_vs_actual_{_safe(r.meta.run)}.png")
+            else:
+                plt.close(fig)
     return paths
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+
+
+def _scatter_pred(ax: Any, runs: Sequence[Run], np: Any) -> bool:
+    """Predicted vs actual TTFT of `runs` on `ax` (log-log, with the diagonal); False if empty."""
+    lo, hi = math.inf, 0.0
+    for r in runs:
+        pts = [(x.ttft_s, x.predicted_ttft_s) for x in r.results if x.ok and x.predicted_ttft_s is not None]
+        a = np.array(pts, dtype=float).reshape(-1, 2) * 1000
+        a = a[(a > 0).all(axis=1)]
+        if a.size:
+            ax.scatter(a[:, 0], a[:, 1], s=4, alpha=0.5, label=r.meta.run)
+            lo, hi = min(lo, a.min()), max(hi, a.max())
+    if hi <= 0:
+        return False
+    ax.plot([lo, hi], [lo, hi], "k--", lw=1)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("actual TTFT (ms)")
+    ax.set_ylabel("predicted TTFT (ms)")
+    ax.legend(fontsize=8)
+    return True
 
 
 def write_report(runs: Sequence[Run], out_dir: str | Path, *, title: str = "kvroute load test",

@@ -4,8 +4,8 @@ It runs the gateway's own code on the gateway's inputs: the policy, the fleet vi
 (`router/planner/fleet.py`: `/load` reports into `WorkerView`s, the in-flight ledger,
 the prefetch plan) and a `kvindex.PrefixIndex` fed only by the engines' KV events. Only
 timing is the simulator's: polls every `poll_interval_s`, events `event_lag_s` late,
-and the optional transport delays of `RouterSettings`. `oracle=True` replaces the
-inputs with the engines' truth. Details: docs/simulator.md.
+and the optional transport delays of `RouterSettings`. `true_state=True` replaces the
+inputs with the engines' truth (the `kv_cost_true_state` policy). Details: docs/simulator.md.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from kvindex.index import PrefixIndex, PrefixMatch
 from kvindex.tiers import Tier
 from router.planner.fleet import FleetWorker, PrefetchRule, apply_report, plan_prefetch
 from router.planner.inflight import InflightLedger, Ticket
+from router.planner.load import queue_seconds
 from router.planner.types import CostParams, Decision, Estimate, Policy, RouteRequest, WorkerView
 from workers.sim import SimEngine
 from workers.sim.engine import BadRequest, PrefetchQueueFull
@@ -59,6 +60,17 @@ class RouterSettings:
     send_delay_s: float = 0.0
     send_delay_s_per_token: float = 0.0
     transport_seed: int = 0
+    # The gateway's own queue (router/planner/gateway_queue.py): `gateway_order` "none"
+    # routes each request on arrival; "fifo" / "spf" hold what arrives at one instant (a
+    # burst) and bind it in that order; with `hold_target_s` set, requests are also held
+    # while every worker's predicted queue exceeds it (late binding), each at most
+    # `max_hold_s`.
+    # Revise a request's predicted TTFT when the router sends another request into the step
+    # it is waiting for (loadtest/simulate.py `_revise_ahead`).
+    revise_predictions: bool = True
+    gateway_order: str = "none"
+    hold_target_s: float | None = None
+    max_hold_s: float = 2.0
 
     def route_delay(self, prompt_tokens: int) -> float:
         return self._leg(self.route_delay_s, self.route_delay_s_per_token, prompt_tokens)
@@ -133,12 +145,12 @@ class SimRouter:
         block_size: int,
         settings: RouterSettings,
         *,
-        oracle: bool = False,
+        true_state: bool = False,
         max_workers: int = 512,
     ) -> None:
         self.policy = policy
         self.settings = settings
-        self.oracle = oracle
+        self.true_state = true_state
         self.block_size = block_size
         self.index = PrefixIndex(block_size, max_workers=max_workers)
         self.workers: dict[str, _Worker] = {}
@@ -149,8 +161,8 @@ class SimRouter:
     # ------------------------------------------------------------------ workers
 
     def events_sink(self, worker_id: str) -> Callable[[list[KVEvent]], None] | None:
-        """The engine's `on_events` callback (None for the oracle: it reads the truth)."""
-        if self.oracle:
+        """The engine's `on_events` callback (None with the true state: it reads the truth)."""
+        if self.true_state:
             return None
         lag = self.settings.event_lag_s
 
@@ -183,7 +195,7 @@ class SimRouter:
             supports_peer_pull="peer_pull" in caps,
         )
         self.workers[wid] = _Worker(engine, FleetWorker(view, ledger=InflightLedger(wid)))
-        if not self.oracle:
+        if not self.true_state:
             self.index.add_worker(
                 wid, bytes.fromhex(info.namespace_digest), info.block_size, remote_group=info.remote_group
             )
@@ -191,11 +203,11 @@ class SimRouter:
 
     def leave(self, worker_id: str) -> None:
         self.workers.pop(worker_id, None)
-        if not self.oracle and self.index.has_worker(worker_id):
+        if not self.true_state and self.index.has_worker(worker_id):
             self.index.remove_worker(worker_id)
 
     def set_draining(self, worker_id: str, draining: bool = True) -> None:
-        if not self.oracle and self.index.has_worker(worker_id):
+        if not self.true_state and self.index.has_worker(worker_id):
             self.index.set_draining(worker_id, draining)
 
     # ------------------------------------------------------------------ reports, events
@@ -226,7 +238,7 @@ class SimRouter:
 
     # ------------------------------------------------------------------ routing
 
-    def _oracle_views(self, keys: list[bytes], now: float) -> tuple[list[WorkerView], dict[str, PrefixMatch]]:
+    def _true_views(self, keys: list[bytes], now: float) -> tuple[list[WorkerView], dict[str, PrefixMatch]]:
         views: list[WorkerView] = []
         matches: dict[str, PrefixMatch] = {}
         for wid, w in self.workers.items():
@@ -260,8 +272,8 @@ class SimRouter:
         self, prompt_tokens: int, max_tokens: int, keys: list[bytes], digests: Sequence[int], now: float, rid: str,
         candidates: Sequence[str] | None = None,
     ) -> tuple[Decision, RouteRequest]:
-        if self.oracle:
-            views, matches = self._oracle_views(keys, now)
+        if self.true_state:
+            views, matches = self._true_views(keys, now)
         else:
             self.deliver(now)
             views = []
@@ -276,6 +288,21 @@ class SimRouter:
         d = self.policy.choose(rr, views)
         self._last_decision = d
         return d, rr
+
+    def queue_estimates(self, now: float, candidates: Sequence[str] | None = None) -> list[float]:
+        """Each routable worker's predicted queue now, as the policy would see it (the
+        gateway queue's late-binding test)."""
+        if self.true_state:
+            views, _ = self._true_views([], now)
+        else:
+            self.deliver(now)
+            views = []
+            for w in self.workers.values():
+                w.fleet.refresh(now)
+                views.append(w.view)
+        allowed = set(candidates) if candidates is not None else None
+        return [queue_seconds(v, exact=self.true_state) for v in views
+                if allowed is None or v.worker_id in allowed]
 
     def estimate_for(self, d: Decision, worker_id: str) -> Estimate | None:
         for e in d.estimates:

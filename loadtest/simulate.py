@@ -7,7 +7,7 @@ next_event_time`, lazily rescheduled after every call into the engine), a worker
 load poll (every `poll_interval_s`, staggered), a scenario action (add/remove a
 worker, switch a model version, ...), a request arrival. An arrival is routed by
 `SimRouter` (loadtest/router_model.py: the gateway's view of the fleet, or the truth
-for `oracle`), prefetched, and submitted; a refusal (429 from a full queue) is
+for `kv_cost_true_state`), prefetched, and submitted; a refusal (429 from a full queue) is
 retried once on the next-ranked worker, as the gateway does. Every request ends with
 a result: finished, shed (no worker), refused, failed, or — past `max_drain_s` after
 the last arrival — "unfinished" (never dropped silently).
@@ -39,6 +39,9 @@ from typing import Any
 
 from kvindex.keys import digests64
 from kvindex.tiers import Tier
+from router.planner.base import PolicyBase
+from router.planner.cost import coschedule_delay
+from router.planner.gateway_queue import GatewayQueue
 from router.planner.registry import make_policy
 from router.planner.types import Decision, Estimate, RouteRequest
 from workers.sim import SimEngine, SimRequest
@@ -51,7 +54,8 @@ from .router_model import Inflight, RouterSettings, SimRouter
 from .tokens import TokenSynth
 from .trace import Trace, TraceError, TraceRequest
 
-_ENGINE, _POLL, _ACTION, _ARRIVAL, _ROUTE, _SUBMIT = 0, 1, 2, 3, 4, 5
+_ENGINE, _POLL, _ACTION, _ARRIVAL, _ROUTE, _SUBMIT, _RELEASE = 0, 1, 2, 3, 4, 5, 6
+COSCHEDULE_SLACK_S = 0.02  # kv_cost's default coschedule_slack_s, for policies without one
 
 Action = Callable[["Simulation", float], None]
 
@@ -109,6 +113,9 @@ class _Pending:
     est: Estimate | None = None
     first: float | None = None
     routed: _Routed | None = None
+    predicted_at_dispatch: float | None = None  # before any revision (Simulation._revise_ahead)
+    held: bool = False  # went through the gateway queue
+    hold_s: float = 0.0  # time spent there before being bound
 
 
 class Simulation:
@@ -135,9 +142,9 @@ class Simulation:
         self.params = dict(policy_params or {})
         self.policy = make_policy(policy, **self.params)
         self.label = label or policy
-        self.oracle = policy == "oracle"
+        self.true_state = bool(getattr(self.policy, "true_state", False))
         profile = settings.fleet.resolved_profile()
-        self.router = SimRouter(self.policy, profile.block_size, settings.router, oracle=self.oracle)
+        self.router = SimRouter(self.policy, profile.block_size, settings.router, true_state=self.true_state)
         self.fleet = Fleet(settings.fleet, on_events=self.router.events_sink)
         self.synth = synth or TokenSynth.for_trace(trace, vocab_size=settings.vocab_size, seed=settings.seed)
         if keys is None:
@@ -154,11 +161,21 @@ class Simulation:
         self._results: list[RequestResult] = []
         self._arrivals_left = 0
         self._polling: set[str] = set()
-        self.counters: dict[str, int] = {"retries": 0, "shed": 0, "refused": 0, "failed": 0, "unfinished": 0}
+        self.counters: dict[str, int] = {"retries": 0, "shed": 0, "refused": 0, "failed": 0, "unfinished": 0,
+                                         "predictions_revised": 0}
+        self._dispatch_err: list[float] = []  # |error| of predictions as made at dispatch
         self._actions = list(actions)
         self.removed: list[SimEngine] = []  # engines that left (their stats still count)
         self._draining: set[str] = set()
         self._intake_free = -math.inf  # when the gateway's intake takes the next request
+        rs = settings.router
+        self._gq: GatewayQueue[_Pending] | None = None
+        if rs.gateway_order != "none" or rs.hold_target_s is not None:
+            order = "fifo" if rs.gateway_order == "none" else rs.gateway_order
+            self._gq = GatewayQueue(order=order, hold_target_s=rs.hold_target_s, max_wait_s=rs.max_hold_s)
+        self._release_at = -math.inf
+        self._holds: list[float] = []
+        self._by_ticket: dict[Inflight, _Pending] = {}
         self._jitter = random.Random(settings.router.transport_seed)
         self._burst_at = -math.inf  # the issue time whose burst delay `_burst_delay` is
         self._burst_delay = 0.0
@@ -179,7 +196,7 @@ class Simulation:
 
     def _start_polls(self, wid: str, now: float) -> None:
         iv = self.settings.router.poll_interval_s
-        if self.oracle or iv <= 0:
+        if self.true_state or iv <= 0:
             return
         n = max(1, len(self.fleet.engines))
         phase = (len(self._polling) % n) / n * iv
@@ -221,6 +238,7 @@ class Simulation:
         p.res.error = msg
         if p.rec is not None:
             self.router.finished(p.rec)
+            self._by_ticket.pop(p.rec, None)
         self._done(p)
         self.counters[kind or ("failed" if status in (0, 500) else "refused")] += 1
 
@@ -260,6 +278,41 @@ class Simulation:
         return t
 
     def _route(self, p: _Pending, now: float) -> None:
+        """Route now, or hold in the gateway queue (RouterSettings.gateway_order)."""
+        gq = self._gq
+        if gq is None:
+            return self._bind(p, now)
+        req = p.req
+        _keys, digests = self.keys.get(req)
+        best = 0
+        if not self.true_state and digests:
+            best = max((m.blocks for m in self.router.index.match(digests).values()), default=0)
+        bs = self.router.block_size
+        size = max(1, req.input_length - min(best, (req.input_length - 1) // bs) * bs)
+        p.held = True
+        gq.push(p, float(size), now, req.cache_salt or req.lora or "")
+        if self._release_at != now:  # after every arrival of this instant (its kind sorts last)
+            self._release_at = now
+            self._push(now, _RELEASE, None)
+
+    def _release(self, now: float) -> None:
+        """Bind held requests while the gateway queue lets them go (late binding, order)."""
+        gq = self._gq
+        if gq is None:
+            return
+        while len(gq):
+            if gq.hold_target_s is not None:
+                cands = [w for w in self.router.workers if w not in self._draining]
+                if gq.should_hold(self.router.queue_estimates(now, cands), now):
+                    return
+            p = gq.pop(now)
+            if p is None or self._pending.get(p.rid) is not p:
+                continue
+            p.hold_s = now - p.arrival
+            self._holds.append(p.hold_s)
+            self._bind(p, now)
+
+    def _bind(self, p: _Pending, now: float) -> None:
         req = p.req
         keys, digests = self.keys.get(req)
         candidates = [w for w in self.router.workers if w not in self._draining]
@@ -270,7 +323,7 @@ class Simulation:
         if d.worker_id is None:
             return self._fail(p, now, 429, f"shed: {d.reason}", "shed")
         order = [d.worker_id] + [w for w in d.ranked if w != d.worker_id][: self.settings.router.retries]
-        tokens = array("I", self.synth.token_bytes(req)) if not self.oracle else None
+        tokens = array("I", self.synth.token_bytes(req)) if not self.true_state else None
         p.routed = _Routed(d, rr, keys, tokens, order)
         self._attempt(p, now)
 
@@ -290,9 +343,12 @@ class Simulation:
             if a.i == 0:
                 a.pf_blocks = self.router.send_prefetch(a.d, a.rr, a.keys, wid, est, now, "p-" + p.rid)
             prefill = est.recompute_tokens if est is not None and est.eligible else req.input_length
+            self._revise_ahead(wid, est, now)
             rec = self.router.dispatched(wid, prefill, req.input_length + req.output_length, now, est)
             p.worker, p.rec, p.est = wid, rec, est
             p.predicted = a.d.predicted_ttft if wid == a.d.worker_id else (est.t_ttft if est else None)
+            p.predicted_at_dispatch = p.predicted
+            self._by_ticket[rec] = p
             if send > 0.0:
                 self._push(now + send, _SUBMIT, p)
                 return
@@ -300,6 +356,36 @@ class Simulation:
                 return
             a.i += 1
         self._fail(p, now, 429, a.last_err or "no worker took the request")
+
+    def _revise_ahead(self, wid: str, est: Estimate | None, now: float) -> None:
+        """The router is about to send a request to `wid`: the requests it sent there that
+        have not started yet and whose step it rides in (cost.coschedule_delay) get their
+        first token one chunk later, so their predictions move by that much (the token
+        budget shared with what the router itself sends next: docs/simulator.md)."""
+        if not self.settings.router.revise_predictions or est is None or not est.eligible or est.t_load_total > 0.0:
+            return
+        w = self.router.workers.get(wid)
+        if w is None:
+            return
+        ahead = w.fleet.ledger.not_started(now)
+        if not ahead:
+            return
+        v = w.view
+        scale = self.policy.scales(wid)[0] if isinstance(self.policy, PolicyBase) else 1.0
+        slack = float(getattr(self.policy, "coschedule_slack_s", COSCHEDULE_SLACK_S))
+        starts = [(t.start_at - now, t.prefill_tokens) for t in ahead if t.start_at is not None]
+        d = coschedule_delay(starts, v.cost, est.t_queue, est.recompute_tokens, est.load_blocks * v.cost.block_size,
+                             v.running_requests, slack, scale)
+        if d <= 0.0:
+            return
+        for t in ahead:
+            q = self._by_ticket.get(t)
+            if q is None or q.predicted is None:
+                continue
+            q.predicted += d
+            if q.res.predicted_ttft_s is not None:
+                q.res.predicted_ttft_s += d
+            self.counters["predictions_revised"] += 1
 
     def _submitted(self, p: _Pending, now: float) -> None:
         """A send reached its worker, unless the request failed in transit (its worker
@@ -342,7 +428,8 @@ class Simulation:
             return False
         self.router.accepted(rec, now)
         res.worker = wid
-        res.predicted_ttft_s = p.predicted
+        res.predicted_ttft_s = p.predicted + p.hold_s if p.predicted is not None else None
+        res.client_queue_s = p.hold_s
         res.prefetch_blocks = pf_blocks
         self._reschedule(wid)
         return True
@@ -350,6 +437,9 @@ class Simulation:
     def _first(self, p: _Pending, t: float, u: Usage) -> None:
         p.first = t
         p.res.ttft_s = t - p.arrival
+        pd = p.predicted_at_dispatch
+        if pd is not None and p.res.ttft_s > 0.0:
+            self._dispatch_err.append(abs(pd + p.hold_s - p.res.ttft_s) / p.res.ttft_s)
         if p.rec is not None:
             self.router.first_token(p.rec)
             kv = u.to_dict()["kv"]
@@ -370,6 +460,7 @@ class Simulation:
         r.prefetch_hidden_s = self._hidden(p, u)
         if p.rec is not None:
             self.router.finished(p.rec)
+            self._by_ticket.pop(p.rec, None)
         self._done(p)
 
     def _hidden(self, p: _Pending, u: Usage) -> float | None:
@@ -430,6 +521,8 @@ class Simulation:
                     continue
                 self.router.poll(x, t)
                 self._reschedule(x)
+                if self._gq is not None and len(self._gq):
+                    self._release(t)
                 if self._pending or self._arrivals_left:
                     self._push(t + self.settings.router.poll_interval_s, _POLL, x)
                 else:
@@ -445,6 +538,8 @@ class Simulation:
                 pending = self._pending.get(x.rid)
                 if pending is not None and pending is x:
                     self._route(pending, t)
+            elif kind == _RELEASE:
+                self._release(t)
             else:
                 self._submitted(x, t)
             self._maybe_drain_out(t)
@@ -489,6 +584,27 @@ class Simulation:
                 self.router.leave(wid)
                 self._polling.discard(wid)
 
+    def _gateway_stats(self) -> dict[str, Any]:
+        """The gateway queue's holds, and the prediction error measured from binding."""
+        h = sorted(self._holds)
+        out: dict[str, Any] = {
+            "gateway_held": sum(1 for x in h if x > 0.0),
+            "gateway_hold_p99_s": round(h[min(len(h) - 1, int(0.99 * len(h)))], 4) if h else 0.0,
+        }
+        rel: list[float] = []
+        for r in self._results:
+            if r.ok and r.ttft_s is not None and r.predicted_ttft_s is not None:
+                a = r.ttft_s - r.client_queue_s
+                if a > 0.0:
+                    rel.append((r.predicted_ttft_s - r.client_queue_s - a) / a)
+        if rel:
+            srt = sorted(rel)
+            ab = sorted(abs(x) for x in rel)
+            out["pred_err_bind_p50"] = round(ab[len(ab) // 2], 4)
+            out["pred_err_bind_p90"] = round(ab[min(len(ab) - 1, int(0.9 * len(ab)))], 4)
+            out["pred_bias_bind_p50"] = round(srt[len(srt) // 2], 4)
+        return out
+
     def _stats(self, steps: int, wall: float) -> dict[str, Any]:
         engines = list(self.fleet.engines.values()) + self.removed
         loaded = {"CPU": 0, "DISK": 0, "REMOTE": 0, "PEER": 0}
@@ -520,7 +636,18 @@ class Simulation:
             "worker_429s": rejected,
             **self.counters,
         }
-        if not self.oracle:
+        if not self.true_state:
             out["index_blocks"] = len(self.router.index)
+        if self._gq is not None:
+            out.update(self._gateway_stats())
+        if self._dispatch_err:
+            errs = sorted(self._dispatch_err)
+            out["pred_err_dispatch_p50"] = round(errs[len(errs) // 2], 4)
+            out["pred_err_dispatch_p90"] = round(errs[min(len(errs) - 1, int(0.9 * len(errs)))], 4)
+        cal = getattr(self.policy, "calibrator", None)
+        snap = cal.snapshot() if cal is not None else {}
+        if snap:
+            scales = [v["prefill_scale"] for v in snap.values()]
+            out["calibrated_prefill_scale_mean"] = round(sum(scales) / len(scales), 4)
         return out
 

@@ -1,13 +1,24 @@
 """What a run amounts to: tail latencies, throughput, per-tier hits, recompute
-avoided, prefetch hidden time and the planner's prediction error (DESIGN.md §9).
+avoided, prefetch hidden time, the planner's prediction error (docs/design.md §9), the
+slowdown against the `ideal` run (loadtest/ideal.py) and the fleet's utilisation.
 
 Percentiles are over successful requests (linear interpolation); failed requests
 are counted, never folded into latencies.
+
+Utilisation = the prefill busy fraction: per worker, the share of the arrival window
+(first to last arrival) during which it held at least one request that had not had its
+first token yet (from the request's arrival at the worker to its first token: `[first
+token - (queue_ms + load_ms + prefill_ms), first token]`), averaged over the workers:
+the busy fraction of the worker's prefill queue, as a queueing model counts a server
+busy while work is waiting for it. (Time only with a request prefilling would miss a
+worker whose queue is stuck on GPU memory: at Mooncake's lengths the KV pool, not the
+prefill compute, is what saturates first.) It needs the workers' `usage.kv` timings
+(our engines); a run without them has none.
 """
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +62,10 @@ class RunSummary:
     pred_abs_rel_err_p90: float
     pred_bias: float  # median (predicted - actual) / actual: > 0 means over-estimates
     stats: dict[str, Any] = field(default_factory=dict)
+    # TTFT / ideal TTFT per request (p50 / p95 / p99 / mean), when an ideal run is known
+    slowdown: dict[str, float] | None = None
+    utilisation: float = float("nan")  # prefill busy fraction of the fleet (module doc)
+    pred_requests: int = 0  # requests with a prediction
 
 
 def _lat(values: list[float]) -> dict[str, float]:
@@ -61,7 +76,61 @@ def _lat(values: list[float]) -> dict[str, float]:
     return {"p50": float(p50), "p95": float(p95), "p99": float(p99), "mean": float(a.mean())}
 
 
-def summarize(run: Run) -> RunSummary:
+def prefill_busy_fraction(run: Run) -> float:
+    """The fleet's prefill busy fraction over the arrival window (module doc); NaN when
+    the run has no per-request prefill timings."""
+    rs = run.results
+    if not rs:
+        return float("nan")
+    lo = min(r.arrival_s for r in rs)
+    hi = max(r.arrival_s for r in rs)
+    spans: dict[str, list[tuple[float, float]]] = {}
+    for r in rs:
+        if not r.ok or r.prefill_ms is None or r.worker is None or r.ttft_s is None:
+            continue
+        end = (r.start_s if r.start_s is not None else r.arrival_s) + r.ttft_s
+        at_worker = (r.queue_ms or 0.0) + (r.load_ms or 0.0) + r.prefill_ms
+        spans.setdefault(r.worker, []).append((end - at_worker / 1000.0, end))
+    if not spans or hi <= lo:
+        return float("nan")
+    busy = 0.0
+    for iv in spans.values():
+        iv.sort()
+        cur_a, cur_b = iv[0]
+        for a, b in iv[1:]:
+            if a > cur_b:
+                busy += _clip(cur_a, cur_b, lo, hi)
+                cur_a, cur_b = a, b
+            elif b > cur_b:
+                cur_b = b
+        busy += _clip(cur_a, cur_b, lo, hi)
+    workers = max(run.meta.workers or 0, len(spans))
+    return busy / (workers * (hi - lo))
+
+
+def _clip(a: float, b: float, lo: float, hi: float) -> float:
+    a = a if a > lo else lo
+    b = b if b < hi else hi
+    return b - a if b > a else 0.0
+
+
+def slowdowns(run: Run, ideal: Mapping[int, float]) -> list[float]:
+    """TTFT / ideal TTFT of each successful request that has an ideal."""
+    out = []
+    for r in run.results:
+        if r.ok and r.ttft_s is not None:
+            i = ideal.get(r.index)
+            if i is not None and i > 0.0:
+                out.append(r.ttft_s / i)
+    return out
+
+
+def ideal_by_index(run: Run) -> dict[int, float]:
+    return {r.index: r.ttft_s for r in run.results if r.ttft_s is not None}
+
+
+def summarize(run: Run, ideal: Mapping[int, float] | None = None) -> RunSummary:
+    """The run's numbers; `ideal` (request index -> ideal TTFT) adds the slowdown."""
     rs: list[RequestResult] = run.results
     ok = [r for r in rs if r.ok]
     errors = Counter(str(r.status) if r.status != 200 else "error" for r in rs if not r.ok)
@@ -95,6 +164,7 @@ def summarize(run: Run) -> RunSummary:
         if r.predicted_ttft_s is not None and r.ttft_s is not None and r.ttft_s > 0
     ]
     absrel = np.abs(np.asarray(rel)) if rel else np.asarray([])
+    slow = _lat(slowdowns(run, ideal)) if ideal else None
     return RunSummary(
         run=run.meta.run,
         mode=run.meta.mode,
@@ -120,4 +190,7 @@ def summarize(run: Run) -> RunSummary:
         pred_abs_rel_err_p90=pct(absrel, 90),
         pred_bias=pct(rel, 50),
         stats=dict(run.meta.stats),
+        slowdown=slow,
+        utilisation=prefill_busy_fraction(run),
+        pred_requests=len(rel),
     )

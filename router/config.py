@@ -170,8 +170,9 @@ class DiscoveryConfig(_Strict):
     """Workers behind a DNS name (a Kubernetes headless Service, a Consul name): re-resolved
     every `interval_s`; each address becomes a worker `<id_prefix>-<host>-<port>` with the
     fields below, added when it appears and removed when it is gone. `srv`: read SRV
-    records (their targets and ports) instead of A/AAAA records on `port`. vLLM workers'
-    `events` endpoints may use `{host}`, replaced by each worker's address."""
+    records (their targets and ports) instead of A/AAAA records on `port`. `events`
+    endpoints may use `{host}`, replaced by each worker's address (for a vLLM worker, and
+    for our engines, whose /info names the address they bind)."""
 
     name: str = Field(min_length=1)
     port: int | None = Field(default=None, ge=1, le=65535)
@@ -224,6 +225,9 @@ class RoutingConfig(_Strict):
     max_ttft_s: float | None = Field(default=None, gt=0)  # SLO: shed (429) when every worker predicts more
     retries: int = Field(default=1, ge=0, le=3)
     default_retry_after_s: float = Field(default=1.0, gt=0)
+    # Gateway replicas sharing the fleet behind one balancer (`kvroute serve --processes N` sets
+    # at least N): each counts its dispatches not yet in a load report this many times.
+    replicas: int = Field(default=1, ge=1, le=1024)
 
     @model_validator(mode="after")
     def _policy(self) -> RoutingConfig:

@@ -62,6 +62,7 @@ class WorkerPool:
         *,
         ingest: IngestLike | None = None,
         worker_max_inflight: int | None = None,
+        replicas: int = 1,
         on_state: Callable[[Worker, State], None] | None = None,
         on_refused: Callable[[Worker, str], None] | None = None,
     ) -> None:
@@ -70,6 +71,7 @@ class WorkerPool:
         self.session = session
         self.ingest = ingest
         self.worker_max_inflight = worker_max_inflight
+        self.replicas = replicas  # gateway replicas behind one balancer (InflightLedger.replicas)
         self.workers: dict[str, Worker] = {}
         self._routable: dict[str, list[Worker]] = {}
         self._on_state = on_state
@@ -87,7 +89,7 @@ class WorkerPool:
         assert wc.model is not None
         model = self.models[wc.model]
         view = WorkerView(wc.id, cost_params(model, wc.cost), url=wc.url, supports_prefetch=wc.kind == "kvroute")
-        w = Worker(wc, model, FleetWorker(view, pins(wc.cost), InflightLedger(wc.id)),
+        w = Worker(wc, model, FleetWorker(view, pins(wc.cost), InflightLedger(wc.id, replicas=self.replicas)),
                    breaker=Breaker(self.cfg.breaker_failures, self.cfg.breaker_open_s, self.cfg.breaker_max_open_s))
         w.max_inflight = wc.max_inflight or self.worker_max_inflight
         if wc.kind == "vllm":

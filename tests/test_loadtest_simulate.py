@@ -35,7 +35,7 @@ def _settings(**kw: object) -> SimSettings:
 
 
 @pytest.mark.parametrize("policy", ["round_robin", "least_loaded", "prefix_hash", "cache_aware", "dynamo",
-                                    "kv_cost", "oracle"])
+                                    "kv_cost", "kv_cost_true_state"])
 def test_every_policy_answers_every_request(slice_: object, policy: str) -> None:
     run = Simulation(slice_, policy, _settings()).run()  # type: ignore[arg-type]
     assert [r.index for r in run.results] == list(range(60))
@@ -150,10 +150,10 @@ def test_cli_simulate_report_and_errors(tmp_path: Path, capsys: pytest.CaptureFi
                "--param", "kv_cost.tie_margin=0.05"])
     assert rc == 0
     text = capsys.readouterr().out
-    assert "| kv_cost |" in text and "TTFT p50" in text
+    assert "| kv_cost |" in text and "TTFT p50" in text and "slowdown p50" in text and "utilisation" in text
     runs = read_runs(out / "results.jsonl")
-    assert [r.meta.run for r in runs] == ["round_robin", "kv_cost"]
-    assert runs[1].meta.params["policy"] == {"tie_margin": 0.05}
+    assert [r.meta.run for r in runs] == ["ideal", "round_robin", "kv_cost"]  # the physical limit first
+    assert runs[2].meta.params["policy"] == {"tie_margin": 0.05}
     assert (out / "report.md").exists()
     assert main(["report", str(out / "results.jsonl"), "--out", str(tmp_path / "rep")]) == 0
     assert (tmp_path / "rep" / "ttft_cdf.png").exists()
@@ -225,7 +225,7 @@ def test_cli_delay_flags(tmp_path: Path) -> None:
     out = tmp_path / "d"
     assert main(["simulate", "--trace", MOONCAKE, "--limit", "5", "--workers", "2", "--policies", "round_robin",
                  "--route-delay", "0.001,1e-7", "--send-delay", "0.002", "--out", str(out), "--no-plots"]) == 0
-    r = read_runs(out / "results.jsonl")[0].meta.params["router"]
+    r = read_runs(out / "results.jsonl")[1].meta.params["router"]
     assert (r["route_delay_s"], r["route_delay_s_per_token"], r["send_delay_s"], r["send_delay_s_per_token"]) == (
         0.001, 1e-7, 0.002, 0.0)
     with pytest.raises(SystemExit):

@@ -279,7 +279,7 @@ def test_queue_uses_worker_estimate_aged_by_report_age():
     assert queue_seconds(w) == pytest.approx(0.3)
     w.report_age_s = 1.0
     assert queue_seconds(w) == 0.0
-    assert queue_seconds(w, exact=True) == pytest.approx(0.5)  # the oracle trusts it
+    assert queue_seconds(w, exact=True) == pytest.approx(0.5)  # kv_cost_true_state trusts it
 
 
 def test_queue_from_tokens_when_worker_gives_no_estimate():

@@ -16,7 +16,7 @@ BLOCK_BYTES = 2 * 1024 * 1024  # Llama-3-8B bf16: 128 KiB/token * 16
 
 
 def h200(**kw) -> CostParams:
-    """Roughly an H200 serving an 8B model (DESIGN.md §1)."""
+    """Roughly an H200 serving an 8B model (docs/design.md §1)."""
     base = dict(
         block_size=B,
         block_bytes=BLOCK_BYTES,
@@ -51,10 +51,13 @@ def pm(wid: str, *runs: tuple[Tier, int]) -> PrefixMatch:
 
 def test_registry_names_and_errors():
     assert POLICY_NAMES == (
-        "round_robin", "least_loaded", "prefix_hash", "cache_aware", "dynamo", "kv_cost", "oracle",
+        "round_robin", "least_loaded", "prefix_hash", "cache_aware", "dynamo", "kv_cost", "kv_cost_true_state",
     )
     with pytest.raises(ValueError, match="unknown routing policy 'kvcost'.*kv_cost"):
         make_policy("kvcost")
+    # the renamed `oracle` (never a bound) fails with a pointer to its new name
+    with pytest.raises(ValueError, match="'oracle' is now kv_cost_true_state"):
+        make_policy("oracle")
     with pytest.raises(ValueError, match="unknown parameter.*'tie_margn'.*valid:.*tie_margin"):
         make_policy("kv_cost", tie_margn=0.1)
     with pytest.raises(ValueError, match="'tie_margin'"):
@@ -65,7 +68,7 @@ def test_registry_names_and_errors():
         make_policy("dynamo", temperature="hot")
     with pytest.raises(ValueError, match="'calibrate'"):
         make_policy("round_robin", calibrate=1)
-    assert policy_params("oracle")["balance_eps"] is None
+    assert policy_params("kv_cost_true_state")["balance_eps"] is None
 
 
 @pytest.mark.parametrize("name", POLICY_NAMES)
@@ -265,7 +268,7 @@ def _random_case(rng: random.Random):
     return ws, request(tokens, matches, seed=rng.randrange(99)), params
 
 
-@pytest.mark.parametrize("policy", ["kv_cost", "oracle"])
+@pytest.mark.parametrize("policy", ["kv_cost", "kv_cost_true_state"])
 def test_pruned_decisions_equal_full_evaluation(policy):
     from router.planner.cost import RequestContext, ttft_lower_bound
 
@@ -282,7 +285,7 @@ def test_pruned_decisions_equal_full_evaluation(policy):
         assert [e.worker_id for e in full.estimates] == [w.worker_id for w in ws]
         ctx = RequestContext.build(r, ws)
         for w, e in zip(ws, full.estimates, strict=True):  # the bound pruning relies on
-            assert ttft_lower_bound(ctx, w, exact_queue=policy == "oracle") <= e.t_ttft * (1 + 1e-12)
+            assert ttft_lower_bound(ctx, w, exact_queue=policy == "kv_cost_true_state") <= e.t_ttft * (1 + 1e-12)
 
 
 def test_idle_worker_beats_long_queue_when_recompute_is_cheaper():
@@ -419,8 +422,8 @@ def test_long_prompt_avoids_a_worker_whose_load_is_in_flight():
     assert p.choose(request(2048), ws).worker_id == "w0"
     # the weight scales the term: at 0.05 the 0.8 s delay no longer outweighs w1's 0.28 s
     assert make_policy("kv_cost", interference_weight=0.05).choose(long, ws).worker_id == "w0"
-    assert make_policy("oracle").choose(long, ws).worker_id == "w1"
-    assert make_policy("oracle", interference_weight=0.0).choose(long, ws).worker_id == "w0"
+    assert make_policy("kv_cost_true_state").choose(long, ws).worker_id == "w1"
+    assert make_policy("kv_cost_true_state", interference_weight=0.0).choose(long, ws).worker_id == "w0"
     with pytest.raises(ValueError, match="interference_slack_s"):
         make_policy("kv_cost", interference_slack_s=-0.1)
 
@@ -445,18 +448,18 @@ def test_ranked_lists_every_open_worker_best_first():
     assert d.ranked == ["w3", "w2", "w1", "w0"]
 
 
-def test_oracle_trusts_the_true_queue():
+def test_true_state_trusts_the_true_queue():
     ws = fleet(2)
-    # w0's report is old: kv_cost ages it away; the oracle is told it is exact
+    # w0's report is old: kv_cost ages it away; kv_cost_true_state is told it is exact
     ws[0].est_queue_s, ws[0].report_age_s = 1.0, 0.9
     ws[1].est_queue_s = 0.3
     r = request(8192, {"w0": pm("w0", (Tier.GPU, 511))})
     assert make_policy("kv_cost").choose(r, ws).worker_id == "w0"
-    assert make_policy("oracle").choose(r, ws).worker_id == "w1"
+    assert make_policy("kv_cost_true_state").choose(r, ws).worker_id == "w1"
     # and it ignores in-flight guesses on top of the exact queue
     ws2 = fleet(2)
     ws2[0].inflight_prefill_tokens = 400_000
-    assert make_policy("oracle").choose(r, ws2).worker_id == "w0"
+    assert make_policy("kv_cost_true_state").choose(r, ws2).worker_id == "w0"
     assert make_policy("kv_cost").choose(r, ws2).worker_id == "w1"
 
 
@@ -466,7 +469,7 @@ def test_calibrated_prediction_follows_observations():
     r = request(8192)
     before = p.choose(r, ws).predicted_ttft
     for _ in range(60):  # the worker really prefills 2x slower than its profile
-        p.observe("w0", before, 2 * before,
+        p.observe("w0", p.choose(r, ws).predicted_ttft, 2 * before,
                   {"recomputed_tokens": 8192, "prefill_ms": 2000 * before, "loaded_tokens": {}})
     after = p.choose(r, ws).predicted_ttft
     assert after == pytest.approx(2 * before, rel=0.02)
@@ -498,7 +501,7 @@ def test_a_worker_with_broken_speeds_never_breaks_routing(name):
     ws[0].cost.prefill_tokens_per_s = 0.0
     d = make_policy(name).choose(request(4096), ws)
     assert d.worker_id is not None
-    if name in ("kv_cost", "oracle"):
+    if name in ("kv_cost", "kv_cost_true_state"):
         assert d.worker_id != "w0"
     capped = fleet(2, max_waiting=1, waiting_requests=1, inflight_prefill_tokens=500)
     capped[0].cost.prefill_tokens_per_s = 0.0

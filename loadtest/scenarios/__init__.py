@@ -1,4 +1,4 @@
-"""The seed's load tests (DESIGN.md §9, the issue's list) plus sleeping sessions and an
+"""The classic offload load tests (docs/design.md §9) plus sleeping sessions and an
 SSD-filling run, each on the offline simulator with explicit PASS/FAIL checks.
 
 `run_scenario(name, size="full"|"small")`: "small" runs in seconds (tests), "full" in

@@ -22,6 +22,11 @@ from .cost import RequestContext, estimate_worker
 from .load import at_cap, queue_seconds
 from .types import CostParams, Decision, RouteRequest, WorkerView
 
+# The prefill scale every policy calibrates with: this quantile of the recent observed /
+# predicted prefill ratios (calibration.py: a reported prefill also holds the chunks of
+# the requests it shared steps with, which the queue term already prices).
+PREFILL_QUANTILE = 0.2
+TTFT_OFFSET = True
 RETRY_MIN_S = 0.5
 RETRY_MAX_S = 60.0
 
@@ -67,7 +72,7 @@ class PolicyBase:
 
     def __init__(self, *, calibrate: bool = True) -> None:
         self.calibrate = check_bool("calibrate", calibrate)
-        self.calibrator = Calibrator()
+        self.calibrator = Calibrator(prefill_quantile=PREFILL_QUANTILE, ttft_offset=TTFT_OFFSET)
         self._last_cost: dict[str, CostParams] = {}
 
     def observe(

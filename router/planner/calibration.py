@@ -2,8 +2,11 @@
 
 Profiles give each worker's speeds up front; reality differs (batching with decodes,
 a slower disk, a congested network). Per worker the calibrator keeps a prefill time
-multiplier and per-tier load time multipliers, as clamped log-space EWMAs with
-outlier rejection, plus predicted-vs-actual TTFT errors for the metrics. Not
+multiplier (a clamped log-space EWMA with outlier rejection, or with `prefill_quantile`
+set a low quantile of recent ratios: a reported prefill also holds the chunks of the
+requests it shared steps with), per-tier load time multipliers (EWMAs), optionally a TTFT
+offset (the median recent residual), plus predicted-vs-actual TTFT errors for the
+metrics. Not
 thread-safe (one owner, like the index); bounded in workers and window. Details:
 docs/planner.md.
 """
@@ -83,6 +86,12 @@ class WorkerCoefficients:
     rejected: int = 0
     prefill_streak: int = 0
     link_streaks: dict[Tier, int] = field(default_factory=dict)
+    # Recent prefill ratios (observed / predicted), for the quantile estimator.
+    prefill_ratios: deque[float] = field(default_factory=deque)
+    # TTFT residual correction: what the model leaves out on this worker, in seconds
+    # (the median of recent actual - predicted TTFTs, taken before this correction).
+    ttft_offset_s: float = 0.0
+    residuals: deque[float] = field(default_factory=deque)
 
 
 def _num(d: Mapping[str, object], key: str) -> float | None:
@@ -106,6 +115,10 @@ class Calibrator:
         min_prefill_tokens: int = 64,
         window: int = 256,
         max_workers: int = 4096,
+        prefill_quantile: float | None = None,
+        prefill_window: int = 64,
+        ttft_offset: bool = False,
+        max_offset_s: float = 1.0,
     ) -> None:
         if not 0.0 < alpha <= 1.0:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
@@ -113,8 +126,15 @@ class Calibrator:
             raise ValueError(f"need 0 < min_scale <= 1 <= max_scale, got {min_scale}, {max_scale}")
         if outlier_ratio <= 1.0:
             raise ValueError(f"outlier_ratio must be > 1, got {outlier_ratio}")
-        if accept_after < 1 or window < 1 or max_workers < 1 or min_prefill_tokens < 0:
-            raise ValueError("accept_after, window and max_workers must be >= 1, min_prefill_tokens >= 0")
+        if accept_after < 1 or window < 1 or max_workers < 1 or min_prefill_tokens < 0 or prefill_window < 1:
+            raise ValueError(
+                "accept_after, window, prefill_window and max_workers must be >= 1, min_prefill_tokens >= 0")
+        if prefill_quantile is not None and not 0.0 <= prefill_quantile <= 1.0:
+            raise ValueError(f"prefill_quantile must be in [0, 1] or None, got {prefill_quantile}")
+        self.prefill_quantile = prefill_quantile
+        self.prefill_window = prefill_window
+        self.ttft_offset = ttft_offset
+        self.max_offset_s = max_offset_s
         self.alpha = alpha
         self.min_scale = min_scale
         self.max_scale = max_scale
@@ -154,6 +174,9 @@ class Calibrator:
         if co is None:
             co = self._coef[worker_id] = WorkerCoefficients()
             self._bound(self._coef)
+        if self.ttft_offset and predicted_ttft is not None and math.isfinite(predicted_ttft) \
+                and math.isfinite(actual_ttft) and actual_ttft >= 0.0:
+            self._offset_update(co, actual_ttft - predicted_ttft + co.ttft_offset_s)
         loaded_raw = kv.get("loaded_tokens")
         loaded: dict[Tier, float] = {}
         if isinstance(loaded_raw, Mapping):
@@ -172,9 +195,11 @@ class Calibrator:
         ):
             pred = prefill_seconds(base, int(recomputed), int(sum(loaded.values())))
             if pred > 0.0:
-                co.prefill_scale, co.prefill_streak, ok = self._update(
-                    co.prefill_scale, prefill_ms / 1000.0 / pred, co.prefill_streak
-                )
+                ratio = prefill_ms / 1000.0 / pred
+                if self.prefill_quantile is not None:
+                    ok = self._quantile_update(co, ratio)
+                else:
+                    co.prefill_scale, co.prefill_streak, ok = self._update(co.prefill_scale, ratio, co.prefill_streak)
                 co.prefill_samples += ok
                 co.rejected += not ok
         below = [t for t in loaded if t is not Tier.GPU]
@@ -193,6 +218,36 @@ class Calibrator:
                     co.link_streaks[t] = streak
                     co.link_samples[t] = co.link_samples.get(t, 0) + ok
                     co.rejected += not ok
+
+    def _offset_update(self, co: WorkerCoefficients, residual: float) -> None:
+        """The TTFT offset: the median of the last `prefill_window` residuals, in [0, max_offset_s]."""
+        rs = co.residuals
+        rs.append(residual)
+        if len(rs) > self.prefill_window:
+            rs.popleft()
+        v = sorted(rs)[len(rs) // 2]
+        co.ttft_offset_s = 0.0 if v < 0.0 else self.max_offset_s if v > self.max_offset_s else v
+
+    def offset(self, worker_id: str) -> float:
+        """Seconds to add to this worker's predicted TTFT (0 when off or unknown)."""
+        co = self._coef.get(worker_id)
+        return co.ttft_offset_s if co is not None else 0.0
+
+    def _quantile_update(self, co: WorkerCoefficients, ratio: float) -> bool:
+        """The prefill scale as the `prefill_quantile` of the last `prefill_window` ratios
+        (module doc: interference only ever lengthens a reported prefill)."""
+        if not (ratio > 0.0 and math.isfinite(ratio)):
+            return False
+        rs = co.prefill_ratios
+        rs.append(ratio)
+        if len(rs) > self.prefill_window:
+            rs.popleft()
+        q = self.prefill_quantile
+        assert q is not None
+        srt = sorted(rs)
+        v = srt[min(len(srt) - 1, int(q * len(srt)))]
+        co.prefill_scale = self.min_scale if v < self.min_scale else self.max_scale if v > self.max_scale else v
+        return True
 
     def _update(self, cur: float, ratio: float, streak: int) -> tuple[float, int, bool]:
         """EWMA step in log space with outlier rejection; returns (value, streak, accepted)."""

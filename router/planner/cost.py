@@ -1,11 +1,13 @@
-"""The cost model (DESIGN.md §5): per worker, the estimated time to first token.
+"""The cost model (docs/design.md §5): per worker, the estimated time to first token.
 
 `T_ttft = max(T_queue, T_load(k)) + T_prefill(k)` with prefetch (`T_queue + T_load +
 T_prefill` without), where k is the cut between loading cached blocks (from the tier
 each sits in, or pulled from a peer) and recomputing the rest; `best_cut` evaluates
 only run ends and the prefetch kink, which is exact because the step is monotone
 within a run. `interference_seconds` prices the delay a new prefill imposes on
-requests still loading their KV on that worker. The derivations: docs/planner.md.
+requests still loading their KV on that worker, `coschedule_delay` the delay its first
+chunk imposes on requests waiting for the step it would share. The derivations:
+docs/planner.md.
 """
 from __future__ import annotations
 
@@ -69,6 +71,60 @@ def interference_seconds(
         if start < ready + slack_s and ready < end:
             total += end - ready if ready > start else prefill_s
     return total
+
+
+def coschedule_delay(
+    starts: Sequence[tuple[float, int]],
+    cost: CostParams,
+    queue_s: float,
+    recompute_tokens: int,
+    cached_tokens: int,
+    decodes: int,
+    slack_s: float = 0.0,
+    scale: float = 1.0,
+) -> float:
+    """Delay a new request imposes on EACH of the requests waiting, on the same worker, for
+    the step it would start in (the module doc, "co-scheduling").
+
+    `starts`: `(start_s, prefill_tokens)` of each (WorkerView.inflight_starts). The engine
+    admits in order while the step's token budget (`max_batched_tokens` less one token
+    per running decode) lasts, and a step ends when all its chunks are computed: when
+    those requests leave budget over, the newcomer's first chunk rides in their step and
+    each of them gets its first token that chunk later. That happens when the budget is
+    not already spent by them and the newcomer starts no later than they do (plus
+    `slack_s`: the start is a prediction). Its `queue_s` counts their prefill work, which
+    it does not wait for when it rides along, so that is taken off first (as for loads).
+    """
+    if not starts or recompute_tokens <= 0:
+        return 0.0
+    latest = -INF
+    ahead = 0
+    q = queue_s
+    for start, tokens in starts:
+        ahead += tokens
+        q -= prefill_seconds(cost, tokens, 0, scale)
+        if start > latest:
+            latest = start
+    spare = cost.max_batched_tokens - decodes - ahead
+    if spare <= 0 or q > latest + slack_s:
+        return 0.0
+    n = recompute_tokens if recompute_tokens < spare else spare
+    return prefill_seconds(cost, n, cached_tokens, scale)
+
+
+def coschedule_seconds(
+    starts: Sequence[tuple[float, int]],
+    cost: CostParams,
+    queue_s: float,
+    recompute_tokens: int,
+    cached_tokens: int,
+    decodes: int,
+    slack_s: float = 0.0,
+    scale: float = 1.0,
+) -> float:
+    """The total of `coschedule_delay` over the requests it delays."""
+    d = coschedule_delay(starts, cost, queue_s, recompute_tokens, cached_tokens, decodes, slack_s, scale)
+    return len(starts) * d if d > 0.0 else 0.0
 
 
 def load_seconds(link: Link, blocks: int, block_bytes: int, scale: float = 1.0) -> float:

@@ -2,7 +2,7 @@
 
 Asking must not change routing: the policy is copied (round-robin cursors and random
 generators of the original stay as they were; calibration is shared read-only).
-kv_cost/oracle evaluate every worker for it (no pruning); for the other policies the
+kv_cost/kv_cost_true_state evaluate every worker for it (no pruning); for the other policies the
 estimates come from the cost model with their calibration, as those workers would
 really serve the request (no prefetch, no peer pull planned).
 """

@@ -114,7 +114,11 @@ class FleetWorker:
         self.ledger.fill(self.view, now)
 
     def dispatched(self, now: float, prefill_tokens: int, kv_tokens: int, est: Estimate | None) -> Ticket:
-        t = self.ledger.dispatched(now, prefill_tokens, kv_tokens, est)
+        v = self.view
+        # an idle worker starts a request at once, alone in its step: nothing can share it
+        busy = v.running_requests > 0 or v.waiting_requests > 0 or v.inflight_requests > 0 or (
+            est is not None and est.t_queue > 0.0)
+        t = self.ledger.dispatched(now, prefill_tokens, kv_tokens, est, busy=busy)
         self.ledger.fill_counts(self.view)
         return t
 

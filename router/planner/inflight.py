@@ -2,8 +2,9 @@
 
 Load reports lag, so the router counts what it dispatched itself: requests, their
 prefill tokens until the first token, their KV tokens, the same restricted to what
-was dispatched after the last report, and the requests whose KV is predicted to be
-still loading (for the interference term). Pure bookkeeping: callers pass `now`, so
+was dispatched after the last report, the requests whose KV is predicted to be
+still loading (for the interference term) and those predicted not to have started
+their prefill yet (for the co-scheduling term). Pure bookkeeping: callers pass `now`, so
 the gateway (monotonic time) and the simulator (simulated time) share one
 definition. Details: docs/planner.md.
 """
@@ -17,6 +18,9 @@ from .types import Estimate, WorkerView
 # How long past its predicted landing a load stays in `inflight_loads` without a first
 # token (the policies' slack decides what counts; this only bounds the list).
 LOADS_KEPT_S = 1.0
+# A request predicted to start its prefill more than this long ago has started (its step
+# is running): a newcomer can no longer share it.
+STARTS_KEPT_S = 0.02
 
 
 @dataclass(slots=True, eq=False)
@@ -33,6 +37,7 @@ class Ticket:
     done: bool = False
     ready_at: float | None = None  # predicted prefill start, when it loads KV from below GPU
     prefill_s: float = 0.0  # its predicted prefill seconds
+    start_at: float | None = None  # predicted prefill start, when it loads nothing
     # Ends the request's upstream connection (set by the gateway's relay; the worker died)
     abort: Callable[[], None] | None = None
 
@@ -52,21 +57,37 @@ class InflightLedger:
     since_prefill_tokens: int | None = None
     kv_tokens: int | None = None
     loading: list[Ticket] = field(default_factory=list)  # with ready_at, maybe prefilled since
+    starting: list[Ticket] = field(default_factory=list)  # with start_at, maybe started since
+    # Gateway replicas sending to this worker through one balancer: each sees only its own
+    # dispatches until the next report, so it counts them this many times (docs/replicas.md).
+    replicas: int = 1
 
-    def dispatched(self, now: float, prefill_tokens: int, kv_tokens: int, est: Estimate | None = None) -> Ticket:
-        """Count a dispatch; `est` is the chosen worker's Estimate (None: no load known)."""
+    def dispatched(
+        self, now: float, prefill_tokens: int, kv_tokens: int, est: Estimate | None = None, *, busy: bool = True
+    ) -> Ticket:
+        """Count a dispatch; `est` is the chosen worker's Estimate (None: no load known).
+        `busy`: the worker is running a step (or has a queue), so the request waits for a
+        step boundary that later requests may share (False: it starts at once, alone)."""
         r = Ticket(self.worker_id, prefill_tokens, kv_tokens, now)
         self.live.add(r)
         if est is not None and est.eligible and est.t_load_total > 0.0:
             r.ready_at = now + est.t_queue + est.t_load
             r.prefill_s = est.t_prefill
             self.loading.append(r)
+        elif est is not None and est.eligible and busy:
+            r.start_at = now + est.t_queue
+            self.starting.append(r)
         self.requests += 1
         self.prefill_tokens += prefill_tokens
         self.since_requests = (self.since_requests or 0) + 1
         self.since_prefill_tokens = (self.since_prefill_tokens or 0) + prefill_tokens
         self.kv_tokens = (self.kv_tokens or 0) + kv_tokens
         return r
+
+    def not_started(self, now: float) -> list[Ticket]:
+        """Tickets predicted not to have started their prefill at `now` (as `inflight_starts`)."""
+        return [r for r in self.starting
+                if not r.prefilled and r.start_at is not None and r.start_at + STARTS_KEPT_S > now]
 
     def accepted(self, r: Ticket, now: float) -> None:
         """The worker answered 200 for it: any report asked for from now on includes it."""
@@ -121,8 +142,10 @@ class InflightLedger:
         v.inflight_requests = self.requests
         v.inflight_prefill_tokens = self.prefill_tokens
         if self.since_requests is not None:
-            v.inflight_since_report_requests = self.since_requests
-            v.inflight_since_report_prefill_tokens = self.since_prefill_tokens
+            k = self.replicas
+            v.inflight_since_report_requests = self.since_requests * k
+            v.inflight_since_report_prefill_tokens = (
+                None if self.since_prefill_tokens is None else self.since_prefill_tokens * k)
         if self.kv_tokens is not None:
             v.active_kv_tokens = self.kv_tokens
 
@@ -130,6 +153,9 @@ class InflightLedger:
         """Everything the view takes from the ledger at decision time `now`, including
         `inflight_loads` (loads predicted not landed yet; older ones are dropped)."""
         self.fill_counts(v)
+        if self.starting or v.inflight_starts:
+            keep_s = self.starting = self.not_started(now)
+            v.inflight_starts = tuple((r.start_at - now, r.prefill_tokens) for r in keep_s)  # type: ignore[operator]
         if not self.loading:
             if v.inflight_loads:
                 v.inflight_loads = ()

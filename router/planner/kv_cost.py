@@ -1,8 +1,9 @@
-"""`kv_cost`: route to the lowest estimated time to first token (DESIGN.md §5).
+"""`kv_cost`: route to the lowest estimated time to first token (docs/design.md §5).
 
 Workers at their cap are out; a bounded-load guard keeps a hot prefix from piling
 onto one worker while estimates are stale; the argmin of `T_ttft + interference`
-wins, near-ties going to the less loaded worker; with `max_ttft_s` set, a request no
+(delays to requests still loading; optionally, `coschedule_weight`, to requests waiting
+for the step this one would share) wins, near-ties going to the less loaded worker; with `max_ttft_s` set, a request no
 worker can serve in time is shed. Workers are evaluated in the order of a cheap lower
 bound and pruning stops when none left could win, tie or be the retry target, so a
 decision over 64 workers stays well under a millisecond and equals the full
@@ -18,8 +19,9 @@ from typing import ClassVar
 
 from kvindex.tiers import Tier
 
-from .base import PolicyBase, check_bool, check_int, check_number, clamp_retry
-from .cost import INF, RequestContext, estimate_worker, interference_seconds, ttft_lower_bound
+from .base import PREFILL_QUANTILE, TTFT_OFFSET, PolicyBase, check_bool, check_int, check_number, clamp_retry
+from .calibration import Calibrator
+from .cost import INF, RequestContext, coschedule_seconds, estimate_worker, interference_seconds, ttft_lower_bound
 from .load import at_cap, outstanding_requests
 from .types import Decision, Estimate, RouteRequest, WorkerView
 
@@ -40,6 +42,7 @@ class _Row:
     load: int
     prefill_scale: float
     link_scales: LinkScales | None
+    offset_s: float = 0.0  # the calibrated TTFT offset (Calibrator.offset)
 
 
 @dataclass(slots=True)
@@ -71,8 +74,19 @@ class KVCostPolicy(PolicyBase):
         calibrate: bool = True,
         interference_weight: float = 1.0,
         interference_slack_s: float = 0.05,
+        coschedule_weight: float = 0.0,
+        coschedule_slack_s: float = 0.02,
+        prefill_quantile: float | None = PREFILL_QUANTILE,
+        ttft_offset: bool = TTFT_OFFSET,
     ) -> None:
         super().__init__(calibrate=calibrate)
+        if prefill_quantile is not None:
+            check_number("prefill_quantile", prefill_quantile, lo=0.0, hi=1.0)
+        self.ttft_offset = check_bool("ttft_offset", ttft_offset)
+        if prefill_quantile != PREFILL_QUANTILE or ttft_offset != TTFT_OFFSET:
+            self.calibrator = Calibrator(prefill_quantile=prefill_quantile, ttft_offset=ttft_offset)
+        self.coschedule_weight = check_number("coschedule_weight", coschedule_weight, lo=0.0, hi=100.0)
+        self.coschedule_slack_s = check_number("coschedule_slack_s", coschedule_slack_s, lo=0.0, hi=10.0)
         self.interference_weight = check_number("interference_weight", interference_weight, lo=0.0, hi=100.0)
         self.interference_slack_s = check_number("interference_slack_s", interference_slack_s, lo=0.0, hi=10.0)
         self.max_ttft_s = None if max_ttft_s is None else check_number("max_ttft_s", max_ttft_s, lo=0.0, lo_open=True)
@@ -122,16 +136,26 @@ class KVCostPolicy(PolicyBase):
         w = r.view
         e = estimate_worker(ctx, w, self.prefetch, self.peer_pull, self.exact_queue, r.prefill_scale, r.link_scales)
         e.load = r.load
+        if e.eligible and r.offset_s > 0.0:
+            e.t_ttft += r.offset_s
+        e.score = e.t_ttft
+        if not e.eligible:
+            return e
         loads = w.inflight_loads
-        if loads and self.interference_weight > 0.0 and e.eligible:
+        if loads and self.interference_weight > 0.0:
             overlap = self.prefetch and w.supports_prefetch
             t = interference_seconds(
                 loads, e.t_queue, e.t_load_total, e.t_prefill, overlap, self.interference_slack_s
             )
             e.t_interference = t
-            e.score = e.t_ttft + self.interference_weight * t
-        else:
-            e.score = e.t_ttft
+            e.score += self.interference_weight * t
+        starts = w.inflight_starts
+        if starts and self.coschedule_weight > 0.0 and e.t_load_total <= 0.0:
+            t = coschedule_seconds(starts, w.cost, e.t_queue, e.recompute_tokens, e.load_blocks * w.cost.block_size,
+                                   w.running_requests, self.coschedule_slack_s, r.prefill_scale)
+            e.t_coschedule = t
+            e.t_interference += t
+            e.score += self.coschedule_weight * t
         return e
 
     def _rows(self, ctx: RequestContext, workers: Sequence[WorkerView]) -> tuple[list[_Row], list[Estimate]]:
@@ -143,7 +167,8 @@ class KVCostPolicy(PolicyBase):
         for w in workers:
             ps, ls = coef(w.worker_id) if coef else (1.0, None)
             self._last_cost[w.worker_id] = w.cost
-            r = _Row(0.0, w, outstanding_requests(w), ps, ls)
+            r = _Row(0.0, w, outstanding_requests(w), ps, ls,
+                     self.calibrator.offset(w.worker_id) if coef else 0.0)
             r.bound = ttft_lower_bound(ctx, w, self.prefetch, self.peer_pull, self.exact_queue, ps)
             if r.bound != INF and not (w.max_waiting is not None and at_cap(w)):
                 rows.append(r)

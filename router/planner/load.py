@@ -3,7 +3,7 @@
 Load reports lag (they are polled), so every figure joins the worker's last report,
 aged by its age, with the router's own in-flight accounting since; without a
 since-report split the larger of the two is used, which never counts a request
-twice. The formulas: docs/planner.md. `exact=True` (the oracle, fed the simulator's
+twice. The formulas: docs/planner.md. `exact=True` (kv_cost_true_state, fed the simulator's
 true state) trusts `est_queue_s` as is.
 """
 from __future__ import annotations

@@ -11,9 +11,9 @@ from .cache_aware import CacheAwarePolicy
 from .dynamo import DynamoPolicy
 from .kv_cost import KVCostPolicy
 from .least_loaded import LeastLoadedPolicy
-from .oracle import OraclePolicy
 from .prefix_hash import PrefixHashPolicy
 from .round_robin import RoundRobinPolicy
+from .true_state import TrueStatePolicy
 from .types import Policy
 
 _CLASSES: dict[str, type] = {
@@ -25,11 +25,13 @@ _CLASSES: dict[str, type] = {
         CacheAwarePolicy,
         DynamoPolicy,
         KVCostPolicy,
-        OraclePolicy,
+        TrueStatePolicy,
     )
 }
 
 POLICY_NAMES: tuple[str, ...] = tuple(_CLASSES)
+# Old names that were renamed: a config naming one fails with the new name.
+_RENAMED = {"oracle": "kv_cost_true_state (it was never a bound; the physical limit is the simulator's `ideal`)"}
 
 
 def policy_params(name: str) -> dict[str, object]:
@@ -50,7 +52,8 @@ def _keyword_params(cls: type) -> dict[str, object]:
 def _policy_class(name: str) -> type:
     cls = _CLASSES.get(name) if isinstance(name, str) else None
     if cls is None:
-        raise ValueError(f"unknown routing policy {name!r}; choose one of: {', '.join(POLICY_NAMES)}")
+        hint = f" ({name!r} is now {_RENAMED[name]})" if isinstance(name, str) and name in _RENAMED else ""
+        raise ValueError(f"unknown routing policy {name!r}{hint}; choose one of: {', '.join(POLICY_NAMES)}")
     return cls
 
 

@@ -36,6 +36,10 @@ class CostParams:
     prefill_attn_s_per_token2: float = 0.0
     prefill_overhead_s: float = 0.0
     decode_step_s: float = 0.0
+    # The worker's step token budget (vLLM's max_num_batched_tokens; 8192 is its default on
+    # large GPUs), shared by the running decodes and the prefill chunks of one step
+    # (cost.coschedule_seconds).
+    max_batched_tokens: int = 8192
     # Load links per tier below GPU (GPU itself costs nothing to "load").
     links: dict[Tier, Link] = field(default_factory=dict)
 
@@ -80,9 +84,16 @@ class WorkerView:
     # slightly negative: predicted landed, no first token seen yet) and its predicted
     # prefill seconds (Estimate.t_prefill). A newcomer that starts prefilling before such a
     # request's load lands takes the step budget ahead of it (the engine serves prefills in
-    # the order they started), so kv_cost/oracle charge it that delay
+    # the order they started), so kv_cost/kv_cost_true_state charge it that delay
     # (cost.interference_seconds). Empty = none known (the term is then 0).
     inflight_loads: Sequence[tuple[float, float]] = ()
+    # The router's in-flight requests on this worker predicted not to have started their
+    # prefill yet and small enough to finish in their first step: one `(start_s,
+    # prefill_tokens)` each (seconds from now until the predicted start, which may be
+    # slightly negative; tokens to compute). A newcomer admitted in the same step takes the
+    # budget they leave, and the step (so their first token) lasts its chunk longer
+    # (cost.coschedule_seconds). Empty = none known.
+    inflight_starts: Sequence[tuple[float, int]] = ()
 
 
 @dataclass(slots=True)
@@ -121,6 +132,9 @@ class Estimate:
     # t_ttft + interference_weight * t_interference (None = t_ttft: not computed).
     t_interference: float = 0.0
     score: float | None = None
+    # Of t_interference: the part from requests not started yet whose step it would share
+    # (cost.coschedule_seconds); the rest is the delay to requests still loading.
+    t_coschedule: float = 0.0
 
 
 @dataclass(slots=True)
@@ -131,7 +145,7 @@ class Decision:
     policy: str
     reason: str
     predicted_ttft: float | None = None
-    # Per-worker breakdowns: kv_cost/oracle list the workers they evaluated (all that could
+    # Per-worker breakdowns: kv_cost/kv_cost_true_state list the workers they evaluated (all that could
     # win, tie or be the retry target; every worker with all_estimates=True, as
     # router.planner.explain does); the baselines none (explain fills them).
     estimates: list[Estimate] = field(default_factory=list)

@@ -1,4 +1,8 @@
-"""`oracle`: the kv_cost model fed the simulator's true instantaneous state.
+"""`kv_cost_true_state`: the kv_cost model fed the simulator's true instantaneous state.
+
+Not a bound (formerly called `oracle`): it knows the present exactly, not the future,
+and still routes greedily, so a policy that schedules (holds, reorders) can beat it.
+The simulator's physical limit is `ideal` (loadtest/ideal.py).
 
 Meant for the offline simulator (loadtest), which fills each WorkerView with the
 engine's exact `estimate_queue_s(now)` at decision time (every dispatched request is
@@ -10,19 +14,21 @@ exists to contain wrong estimates. Behind the gateway (stale reports) it would h
 do not route production traffic with it. It prices the delay a new prefill imposes on
 requests still loading (kv_cost's interference term) from the same
 `WorkerView.inflight_loads` as kv_cost: the simulator's engines do not expose
-per-request load progress, so those are the landing times the oracle itself predicted
-at each dispatch (from the exact state then), not observed truth.
+per-request load progress, so those are the landing times it predicted itself at each
+dispatch (from the exact state then), not observed truth.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from .kv_cost import KVCostPolicy
 
 
-class OraclePolicy(KVCostPolicy):
-    name = "oracle"
+class TrueStatePolicy(KVCostPolicy):
+    name = "kv_cost_true_state"
     exact_queue = True
+    # The simulator feeds this policy the engines' truth instead of the gateway's view.
+    true_state: ClassVar[bool] = True
 
     def __init__(self, *, balance_eps: float | None = None, **params: Any) -> None:
         """kv_cost's parameters; only the bounded-load guard is off by default (see above)."""

@@ -1,0 +1,99 @@
+"""`ideal`: the physical limit of a trace on a fleet, shown beside every simulated run.
+
+Each request alone on an idle worker, with every block it could ever reuse already on
+GPU: its TTFT is the prefill of its uncached tokens only, in the engine's own chunks
+(`max_num_batched_tokens` per step, the profile's prefill formula per chunk), with no
+queue, no load, no decode sharing the steps, no transport. A block "could be reused"
+when another request issued no later than this one holds it (the leading run of the
+request's fleet block keys found among them; blocks are prefix-chained, so that run is
+exactly its reusable prefix), capped at the blocks an engine may take from cache (the
+last prompt token is always computed).
+
+It is a real lower bound for every policy on the simulated engines: a request's
+chunks are at least that many and each costs at least that much (overheads, linear
+and attention terms only add; other requests in the same step, decode steps, queueing,
+loads and transport add time), and no engine can hold a block no request issued before
+it (or with it) computed. Per-request slowdown = TTFT / ideal TTFT (>= 1).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from itertools import groupby
+
+from workers.sim import SimProfile
+
+from .results import RequestResult, Run, RunMeta
+from .trace import Trace, TraceRequest
+
+IDEAL = "ideal"
+KeysOf = Callable[[TraceRequest], Sequence[bytes]]
+
+
+def reusable_blocks(requests: Iterable[TraceRequest], keys_of: KeysOf) -> list[int]:
+    """Per request (in `requests` order, which must be arrival order): the leading blocks
+    some other request issued no later than it holds. `keys_of(req)` gives its fleet keys."""
+    seen: set[bytes] = set()
+    out: list[int] = []
+    for _t, grp in groupby(requests, key=lambda r: r.arrival_s):
+        group = list(grp)
+        keys = [keys_of(r) for r in group]
+        count: dict[bytes, int] = {}
+        for ks in keys:
+            for k in set(ks):
+                count[k] = count.get(k, 0) + 1
+        for ks in keys:
+            n = 0
+            for k in ks:
+                if k in seen or count[k] >= 2:
+                    n += 1
+                else:
+                    break
+            out.append(n)
+        for ks in keys:
+            seen.update(ks)
+    return out
+
+
+def ideal_prefill_s(profile: SimProfile, prompt_tokens: int, cached_blocks: int) -> float:
+    """Prefill of a lone request after `cached_blocks` leading blocks on GPU, chunk by chunk."""
+    bs = profile.block_size
+    c = profile.compute
+    budget = profile.scheduler.max_num_batched_tokens
+    usable = (prompt_tokens - 1) // bs if prompt_tokens > 0 else 0
+    cached = min(cached_blocks, max(usable, 0)) * bs
+    left = prompt_tokens - cached
+    t = 0.0
+    while left > 0:
+        n = min(left, budget)
+        t += c.prefill_s(n, cached)
+        cached += n
+        left -= n
+    return t
+
+
+def ideal_ttfts(trace: Trace, profile: SimProfile, keys_of: KeysOf) -> list[float]:
+    """Ideal TTFT (seconds) of each request of `trace`, in trace order."""
+    reqs = sorted(trace.requests, key=lambda r: (r.arrival_s, r.index))
+    reuse = reusable_blocks(reqs, keys_of)
+    by_index = {r.index: ideal_prefill_s(profile, r.input_length, n) for r, n in zip(reqs, reuse, strict=True)}
+    return [by_index[r.index] for r in trace.requests]
+
+
+def ideal_run(trace: Trace, profile: SimProfile, keys_of: KeysOf, *, speed: float = 1.0, workers: int | None = None,
+              tiers: str = "all", label: str = IDEAL) -> Run:
+    """The ideal as a run of its own (mode "ideal"): reports put it beside the simulated
+    runs of the same trace, profile and block size, and divide their TTFTs by it."""
+    ttfts = ideal_ttfts(trace, profile, keys_of)
+    c = profile.compute
+    results = []
+    for r, t in zip(trace.requests, ttfts, strict=True):
+        step = c.decode_step_s(1, r.input_length)
+        out = max(r.output_length, 1)
+        results.append(RequestResult(
+            run=label, index=r.index, arrival_s=r.arrival_s / speed, start_s=r.arrival_s / speed, ttft_s=t,
+            tpot_s=step if out > 1 else None, e2e_s=t + (out - 1) * step, prompt_tokens=r.input_length,
+            output_tokens=out, worker="alone",
+        ))
+    meta = RunMeta(run=label, mode=IDEAL, policy=IDEAL, trace=trace.name, speed=speed, workers=workers,
+                   profile=profile.name, tiers=tiers, params={"block_size": profile.block_size})
+    return Run(meta, results)

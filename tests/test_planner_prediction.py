@@ -1,0 +1,146 @@
+"""TTFT prediction under load: robust prefill calibration, the per-worker TTFT offset, and
+the co-scheduling term (a newcomer sharing the first step of requests not started yet)."""
+from __future__ import annotations
+
+import pytest
+
+from kvindex.tiers import Tier
+from router.planner.calibration import Calibrator
+from router.planner.cost import coschedule_seconds, prefill_seconds
+from router.planner.inflight import STARTS_KEPT_S, InflightLedger
+from router.planner.registry import make_policy
+from router.planner.types import CostParams, Estimate, RouteRequest, WorkerView
+
+
+def cost() -> CostParams:
+    return CostParams(block_size=64, block_bytes=64 * 131072, prefill_tokens_per_s=35_000.0,
+                      prefill_attn_s_per_token2=1e-9, prefill_overhead_s=0.003, max_batched_tokens=8192)
+
+
+def kv(tokens: int, prefill_s: float) -> dict[str, object]:
+    return {"recomputed_tokens": tokens, "prefill_ms": prefill_s * 1000.0, "loaded_tokens": {}}
+
+
+def test_quantile_calibration_ignores_the_steps_shared_with_others() -> None:
+    """A reported prefill also holds the chunks of the requests it shared steps with: the
+    lower quantile keeps the worker's own speed where the mean would drift up."""
+    c = cost()
+    base = prefill_seconds(c, 4000, 0)
+    q = Calibrator(prefill_quantile=0.2, prefill_window=50)
+    ewma = Calibrator()
+    for i in range(50):
+        inflated = 1.0 if i % 3 == 0 else 1.0 + (i % 7)  # a third alone, the rest shared
+        for cal in (q, ewma):
+            cal.observe("w", c, None, 0.0, kv(4000, base * inflated))
+    assert q.factors("w")[0] == pytest.approx(1.0)
+    assert ewma.factors("w")[0] > 1.3
+    # a slower worker moves every sample, the lower quantile with them
+    for _ in range(50):
+        q.observe("w", c, None, 0.0, kv(4000, base * 2.0))
+    assert q.factors("w")[0] == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="prefill_quantile"):
+        Calibrator(prefill_quantile=1.5)
+
+
+def test_ttft_offset_is_the_median_residual_and_converges() -> None:
+    c = cost()
+    cal = Calibrator(ttft_offset=True, prefill_window=9, max_offset_s=0.5)
+    assert cal.offset("w") == 0.0
+    pred = 0.1
+    for _ in range(30):  # the model misses 40 ms every time: the offset learns it, then holds
+        cal.observe("w", c, pred + cal.offset("w"), pred + 0.04, kv(10, 0.0))
+    assert cal.offset("w") == pytest.approx(0.04)
+    for _ in range(30):  # never below 0, never above max_offset_s
+        cal.observe("w", c, 1.0 + cal.offset("w"), 0.5, kv(10, 0.0))
+    assert cal.offset("w") == 0.0
+    for _ in range(30):
+        cal.observe("w", c, 0.1 + cal.offset("w"), 5.0, kv(10, 0.0))
+    assert cal.offset("w") == 0.5
+    off = Calibrator()
+    off.observe("w", c, 0.1, 0.2, kv(10, 0.0))
+    assert off.offset("w") == 0.0
+
+
+def test_coschedule_delay_only_when_the_newcomer_shares_their_step() -> None:
+    c = cost()
+    starts = ((0.0, 400), (0.005, 300))
+    q = prefill_seconds(c, 400, 0) + prefill_seconds(c, 300, 0)  # its queue counts them
+    # budget 8192 - 10 decodes - 700 leaves 7482: a 5000-token chunk rides in their step
+    d = coschedule_seconds(starts, c, q, 5000, 0, 10)
+    assert d == pytest.approx(2 * prefill_seconds(c, 5000, 0))
+    # a longer prompt only gets the spare budget in that step
+    assert coschedule_seconds(starts, c, q, 20_000, 128, 10) == pytest.approx(
+        2 * prefill_seconds(c, 8192 - 10 - 700, 128))
+    # no spare budget, nothing waiting, or a newcomer that starts later (a queue of its own
+    # beyond theirs): no delay
+    assert coschedule_seconds(((0.0, 8190),), c, prefill_seconds(c, 8190, 0), 100, 0, 10) == 0.0
+    assert coschedule_seconds((), c, 0.0, 100, 0, 0) == 0.0
+    assert coschedule_seconds(starts, c, q + 1.0, 5000, 0, 10) == 0.0
+    assert coschedule_seconds(starts, c, q + 0.01, 5000, 0, 10, slack_s=0.02) > 0.0
+
+
+def test_ledger_lists_requests_not_started_and_drops_them_once_started() -> None:
+    led = InflightLedger("w0")
+    e = Estimate("w0", {}, 0, {}, {}, 500, 0.2, 0.0, 0.0, 0.01, 0.21, True)
+    t = led.dispatched(10.0, 500, 600, e)
+    v = WorkerView("w0", cost())
+    led.fill(v, 10.1)
+    assert v.inflight_starts == (pytest.approx((0.1, 500)),)
+    led.fill(v, 10.2 + STARTS_KEPT_S + 1e-6)  # predicted to have started: gone
+    assert v.inflight_starts == ()
+    t2 = led.dispatched(11.0, 500, 600, e)
+    led.first_token(t2, 11.05)  # it really started (and finished its prefill)
+    led.fill(v, 11.1)
+    assert v.inflight_starts == ()
+    # a request loading KV from below GPU is in inflight_loads instead
+    eload = Estimate("w0", {Tier.CPU: 4}, 4, {Tier.CPU: 4}, {Tier.CPU: 4}, 100, 0.0, 0.05, 0.05, 0.01, 0.06, True)
+    led.dispatched(12.0, 100, 200, eload)
+    led.fill(v, 12.0)
+    assert v.inflight_starts == () and len(v.inflight_loads) == 1
+    assert t.prefill_tokens == 500
+
+
+def _req(tokens: int) -> RouteRequest:
+    return RouteRequest(prompt_tokens=tokens, digests=[], matches={})
+
+
+def test_kv_cost_prices_the_step_it_would_share_when_asked() -> None:
+    ws = [WorkerView(f"w{i}", cost(), running_requests=4) for i in range(2)]
+    ws[0].inflight_starts = ((0.0, 300),)  # a short request about to start on w0
+    ws[0].inflight_since_report_prefill_tokens, ws[0].inflight_since_report_requests = 300, 1
+    ws[1].est_queue_s = 0.02  # w1 is slightly busier
+    r = _req(6000)
+    plain = make_policy("kv_cost", all_estimates=True).choose(r, ws)
+    assert plain.worker_id == "w0"  # on its own TTFT w0 is better
+    d = make_policy("kv_cost", all_estimates=True, coschedule_weight=1.0).choose(r, ws)
+    assert d.worker_id == "w1"  # but it would hold the short one's first token back
+    e0 = d.estimates[0]
+    assert e0.t_coschedule == pytest.approx(prefill_seconds(ws[0].cost, 6000, 0)) and e0.t_interference >= \
+        e0.t_coschedule
+    assert d.predicted_ttft == d.estimates[1].t_ttft  # the prediction stays its own TTFT
+    with pytest.raises(ValueError, match="coschedule_weight"):
+        make_policy("kv_cost", coschedule_weight=-1.0)
+
+
+def test_kv_cost_prediction_includes_the_learned_offset() -> None:
+    ws = [WorkerView("w0", cost())]
+    r = _req(2000)
+    p = make_policy("kv_cost")
+    before = p.choose(r, ws).predicted_ttft
+    assert before is not None
+    own = prefill_seconds(ws[0].cost, 2000, 0)
+    for _ in range(40):  # the worker always answers 30 ms later than the model says
+        pred = p.choose(r, ws).predicted_ttft
+        p.observe("w0", pred, before + 0.03, kv(2000, own))
+    assert p.choose(r, ws).predicted_ttft == pytest.approx(before + 0.03, rel=1e-6)
+
+
+def test_calibration_knobs_are_kv_cost_parameters() -> None:
+    p = make_policy("kv_cost")
+    assert p.calibrator.prefill_quantile == 0.2 and p.calibrator.ttft_offset
+    old = make_policy("kv_cost", prefill_quantile=None, ttft_offset=False)
+    assert old.calibrator.prefill_quantile is None and not old.calibrator.ttft_offset
+    with pytest.raises(ValueError, match="prefill_quantile"):
+        make_policy("kv_cost", prefill_quantile=2.0)
+    with pytest.raises(ValueError, match="ttft_offset"):
+        make_policy("kv_cost", ttft_offset="yes")
