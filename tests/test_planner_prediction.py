@@ -144,3 +144,15 @@ def test_calibration_knobs_are_kv_cost_parameters() -> None:
         make_policy("kv_cost", prefill_quantile=2.0)
     with pytest.raises(ValueError, match="ttft_offset"):
         make_policy("kv_cost", ttft_offset="yes")
+
+
+def test_a_slow_first_request_alone_sets_no_offset() -> None:
+    c = cost()
+    cal = Calibrator(ttft_offset=True, offset_min_samples=8)
+    cal.observe("w", c, 0.1, 0.9, kv(10, 0.0))  # a warm-up request, 0.8 s slow
+    assert cal.offset("w") == 0.0  # its cached prompts still go to it
+    for _ in range(6):
+        cal.observe("w", c, 0.1, 0.1, kv(10, 0.0))
+    assert cal.offset("w") == 0.0
+    cal.observe("w", c, 0.1, 0.1, kv(10, 0.0))  # 8 residuals: the median, of which one was slow
+    assert cal.offset("w") == pytest.approx(0.0, abs=1e-9)

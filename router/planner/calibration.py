@@ -119,6 +119,7 @@ class Calibrator:
         prefill_window: int = 64,
         ttft_offset: bool = False,
         max_offset_s: float = 1.0,
+        offset_min_samples: int = 8,
     ) -> None:
         if not 0.0 < alpha <= 1.0:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
@@ -135,6 +136,9 @@ class Calibrator:
         self.prefill_window = prefill_window
         self.ttft_offset = ttft_offset
         self.max_offset_s = max_offset_s
+        # A worker's first requests are often its slowest (warm-up): an offset from one or two
+        # of them would send its cached prompts elsewhere, so none until this many residuals.
+        self.offset_min_samples = offset_min_samples
         self.alpha = alpha
         self.min_scale = min_scale
         self.max_scale = max_scale
@@ -225,6 +229,8 @@ class Calibrator:
         rs.append(residual)
         if len(rs) > self.prefill_window:
             rs.popleft()
+        if len(rs) < self.offset_min_samples:
+            return
         v = sorted(rs)[len(rs) // 2]
         co.ttft_offset_s = 0.0 if v < 0.0 else self.max_offset_s if v > self.max_offset_s else v
 
