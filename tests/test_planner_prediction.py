@@ -148,11 +148,13 @@ def test_calibration_knobs_are_kv_cost_parameters() -> None:
 
 def test_a_slow_first_request_alone_sets_no_offset() -> None:
     c = cost()
-    cal = Calibrator(ttft_offset=True, offset_min_samples=8)
+    cal = Calibrator(ttft_offset=True)
     cal.observe("w", c, 0.1, 0.9, kv(10, 0.0))  # a warm-up request, 0.8 s slow
     assert cal.offset("w") == 0.0  # its cached prompts still go to it
-    for _ in range(6):
-        cal.observe("w", c, 0.1, 0.1, kv(10, 0.0))
+    cal.observe("w", c, 0.1, 0.1, kv(10, 0.0))
     assert cal.offset("w") == 0.0
-    cal.observe("w", c, 0.1, 0.1, kv(10, 0.0))  # 8 residuals: the median, of which one was slow
+    cal.observe("w", c, 0.1, 0.1, kv(10, 0.0))  # three residuals: the median is a normal one
     assert cal.offset("w") == pytest.approx(0.0, abs=1e-9)
+    for _ in range(3):
+        cal.observe("w", c, 0.1 + cal.offset("w"), 0.9, kv(10, 0.0))  # now slow for real: learnt
+    assert cal.offset("w") == pytest.approx(0.8)

@@ -119,7 +119,7 @@ class Calibrator:
         prefill_window: int = 64,
         ttft_offset: bool = False,
         max_offset_s: float = 1.0,
-        offset_min_samples: int = 8,
+        offset_min_samples: int = 3,
     ) -> None:
         if not 0.0 < alpha <= 1.0:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
@@ -136,8 +136,9 @@ class Calibrator:
         self.prefill_window = prefill_window
         self.ttft_offset = ttft_offset
         self.max_offset_s = max_offset_s
-        # A worker's first requests are often its slowest (warm-up): an offset from one or two
-        # of them would send its cached prompts elsewhere, so none until this many residuals.
+        # A worker's first request is often its slowest (warm-up): an offset from it alone would
+        # send the worker's cached prompts elsewhere, so none until this many residuals (the
+        # median of three outvotes one slow one).
         self.offset_min_samples = offset_min_samples
         self.alpha = alpha
         self.min_scale = min_scale
