@@ -158,3 +158,14 @@ def test_a_slow_first_request_alone_sets_no_offset() -> None:
     for _ in range(3):
         cal.observe("w", c, 0.1 + cal.offset("w"), 0.9, kv(10, 0.0))  # now slow for real: learnt
     assert cal.offset("w") == pytest.approx(0.8)
+
+
+def test_one_prefill_alone_does_not_rescale_a_worker() -> None:
+    c = cost()
+    base = prefill_seconds(c, 4000, 0)
+    q = Calibrator(prefill_quantile=0.2, accept_after=3)
+    for _ in range(2):
+        q.observe("w", c, None, 0.0, kv(4000, base * 0.3))
+    assert q.factors("w")[0] == 1.0  # two samples: not yet
+    q.observe("w", c, None, 0.0, kv(4000, base * 0.3))
+    assert q.factors("w")[0] == pytest.approx(0.3)

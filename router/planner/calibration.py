@@ -249,6 +249,8 @@ class Calibrator:
         rs.append(ratio)
         if len(rs) > self.prefill_window:
             rs.popleft()
+        if len(rs) < self.accept_after:  # one request's timing alone must not re-rank the fleet
+            return True
         q = self.prefill_quantile
         assert q is not None
         srt = sorted(rs)
