@@ -49,6 +49,13 @@ NEUTRAL: dict[str, tuple[object, ...]] = {
     "add_generation_prompt": (True,),
     "continue_final_message": (False,),
     "echo_prompt": (False,),
+    # sglang-router and vllm-router send these on every chat request, at these values,
+    # whatever the client asked: at them nothing changes for a model without a reasoning parser
+    "no_stop_trim": (False,),
+    "return_hidden_states": (False,),
+    "separate_reasoning": (True,),
+    "stream_reasoning": (True,),
+    "include_reasoning": (True,),
 }
 # Neutral values that differ between the endpoints (vLLM's defaults for each).
 NEUTRAL_CHAT: dict[str, tuple[object, ...]] = {**NEUTRAL, "add_special_tokens": (False,)}

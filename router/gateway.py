@@ -106,12 +106,14 @@ class Gateway:
             self.session,
             ingest=self.ingest,
             worker_max_inflight=cfg.limits.worker_max_inflight,
+            replicas=cfg.routing.replicas,
             on_state=self._on_worker_state,
             on_refused=lambda w, code: self.metrics.worker_refused.labels(w.id, code).inc(),
         )
         self.prefetcher = Prefetcher(self.session, prefetch_rule(cfg.routing.prefetch), self.metrics, self.spawn,
                                      cfg.pool.connect_timeout_s)
         self.relay = Relay(self.session, self.pool, self.observer, cfg.pool)
+        self.pool.probe.upstream = self.relay.upstream  # keep-alive polls, closed with the relay
         self.passthrough = PassThrough(self.session, self.pool, self.observer, cfg.pool)
         self.membership = Membership(self.pool)
         await self.membership.set_static(cfg.workers, "config")
@@ -158,6 +160,8 @@ class Gateway:
             await self.pool.close()
         if self.ingest is not None:
             await self.ingest.close()
+        if self.relay is not None:
+            self.relay.close()
         if self.session is not None:
             await self.session.close()
         self.tokenization.close()

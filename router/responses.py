@@ -7,6 +7,7 @@ Structs + one msgspec encoder: a chunk costs a few microseconds.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -79,6 +80,24 @@ def chat_chunk(rid: str, created: int, model: str, text: str, finish: str | None
 
 def comp_chunk(rid: str, created: int, model: str, text: str, finish: str | None) -> bytes:
     return sse(CompChunk(rid, _COMP, created, model, [CompChunkChoice(0, text, finish)]))
+
+
+def chunk_renderer(chat: bool, rid: str, created: int, model: str) -> Callable[[str, str | None], bytes]:
+    """`chat_chunk` / `comp_chunk` for one request, its constant parts encoded once: per
+    chunk only the text (and a finish reason) is encoded. Byte for byte the same output."""
+    head = _enc.encode(ChatChunk(rid, _CHAT, created, model, []) if chat else CompChunk(rid, _COMP, created, model, []))
+    assert head.endswith(b"[]}")
+    pre = b"data: " + head[:-2] + (b'{"index":0,"delta":{"content":' if chat else b'{"index":0,"text":')
+    mid = b'},"finish_reason":' if chat else b',"finish_reason":'
+    tail_null = mid + b'null,"logprobs":null}]}\n\n'
+    enc = _enc.encode
+
+    def render(text: str, finish: str | None) -> bytes:
+        if finish is None:
+            return pre + enc(text) + tail_null
+        return pre + enc(text) + mid + enc(finish) + b',"logprobs":null}]}\n\n'
+
+    return render
 
 
 def usage_chunk(chat: bool, rid: str, created: int, model: str, usage: dict[str, Any]) -> bytes:

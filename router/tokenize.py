@@ -97,6 +97,7 @@ class Tokenizer:
         self.thread_min_chars = thread_min_chars
         self.vocab_size = len(self.hf)
         self.chat_template: str | None = getattr(self.hf, "chat_template", None)
+        self._render_plain = self._plain_renderer()
         self._split_ids: dict[str, int] = {}
         for tid, tok in self.backend.get_added_tokens_decoder().items():
             if not (tok.normalized or tok.lstrip or tok.rstrip or tok.single_word):
@@ -138,9 +139,57 @@ class Tokenizer:
             return [text] if text else []
         return [s for s in self._split.split(text) if s]
 
+    def _plain_renderer(self) -> Any:
+        """The compiled chat template, called as `apply_chat_template` calls it, for plain
+        conversations (each message exactly {role, content} strings; no tools or extra
+        variables): transformers' own wrapper copies and checks every message and costs
+        several times the rendering itself. Used only if it renders the probe
+        conversations exactly as `apply_chat_template` does; None otherwise."""
+        if not isinstance(self.chat_template, str) or not self.chat_template:
+            return None
+        try:
+            from transformers.utils.chat_template_utils import _compile_jinja_template
+
+            compiled = _compile_jinja_template(self.chat_template)
+            specials = {k: v for k, v in self.hf.special_tokens_map.items() if type(v) is str}
+            if len(specials) != len(self.hf.special_tokens_map):
+                return None
+        except Exception:
+            return None
+
+        def render(messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+            out: str = compiled.render(messages=[{"role": m["role"], "content": m["content"]} for m in messages],
+                                       tools=None, documents=None, add_generation_prompt=add_generation_prompt,
+                                       **specials)
+            return out
+
+        probes = [
+            [{"role": "user", "content": "hello"}],
+            [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi there\nhow  are you? "}],
+            [{"role": "system", "content": ""}, {"role": "user", "content": "a"},
+             {"role": "assistant", "content": " b\n"}, {"role": "user", "content": "{{ c }} <tag> 'q' \"d\""}],
+            [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
+        ]
+        try:
+            for msgs in probes:
+                for agp in (True, False):
+                    want = self.hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=agp)
+                    if render(msgs, agp) != want:
+                        return None
+        except Exception:
+            return None
+        return render
+
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kw: Any) -> str:
         if not self.chat_template:
             raise TokenizerError(f"the tokenizer in {self.folder} has no chat template; use /v1/completions")
+        if self._render_plain is not None and not kw and all(
+                len(m) == 2 and type(m.get("role")) is str and type(m.get("content")) is str for m in messages):
+            try:
+                out: str = self._render_plain(messages, add_generation_prompt)
+                return out
+            except Exception:
+                pass  # the template's own error: apply_chat_template below words it
         try:
             out = self.hf.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kw
