@@ -244,10 +244,10 @@ class WorkerPool:
         """The proxy saw the worker fail: a refused connection takes it out at once (its
         process is gone); anything else counts toward its circuit breaker."""
         w.last_error = why
-        w.failures_total += 1
         if fatal:
-            self._health_failed(w, why, refused=True)
+            self._health_failed(w, why, refused=True)  # (counts the failure)
             return
+        w.failures_total += 1
         now = time.monotonic()
         was_open = w.breaker.is_open(now)
         if w.breaker.failure(now) and not was_open:
