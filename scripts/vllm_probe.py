@@ -268,7 +268,10 @@ def main() -> int:
         finally:
             vh.stop_server(a)
             vh.stop_server(b)
-    payload = {"vllm_version": version, "command": report["command_small"], **rec}
+    # the recording is committed: no paths of the machine that made it
+    command = ["python" if i == 0 else "MODEL_DIR" if c == str(model) else c
+               for i, c in enumerate(report["command_small"])]
+    payload = {"vllm_version": version, "command": command, **rec}
     (DATA / f"events-{version}.msgpack").write_bytes(msgspec.msgpack.encode(payload))
     report["events_decoded"] = decode_summary(rec)
     args.report.parent.mkdir(parents=True, exist_ok=True)
