@@ -24,6 +24,13 @@ token − arrival, TPOT = (last − first) / (n − 1), E2E = last − arrival.
 `prefetch_hidden_s` of a request = the load time of the KV a prefetch had already
 raised when it was scheduled (`usage.kv.prefetched_tokens`), priced at the link
 bandwidth of the tiers the planner's estimate planned to prefetch from.
+
+Why one module of ~650 lines: it is one discrete-event loop, and every handler below
+(arrival, route, bind, submit, first token, finish, worker churn) reads and writes the
+same event heap, pending requests and engines at the same virtual instant. What does not
+need that state lives apart: the router's view (router_model.py), the engines
+(workers/sim), the gateway queue (router/planner/gateway_queue.py), the statistics
+(summary.py).
 """
 from __future__ import annotations
 

@@ -78,30 +78,36 @@ class UpstreamStream:
                     raise UpstreamError(
                         f"worker {self.worker_id} closed the stream before [DONE]", False, phase="stream"
                     )
-                buf = rest + data if rest else data
-                if len(buf) > _MAX_EVENT:
-                    raise UpstreamError(f"worker {self.worker_id} sent an oversized event", False, phase="stream")
-                *events, rest = buf.split(b"\n\n")
-                out: list[bytes] = []
-                for ev in events:
-                    for line in ev.split(b"\n"):
-                        if not line.startswith(b"data:"):
-                            continue  # comments, event:/id: fields
-                        payload = line[5:].strip()
-                        if payload == _DONE:
-                            self.done = True
-                            if out:
-                                yield out
-                            return
-                        out.append(payload)
+                out, rest, self.done = sse_payloads(rest, data, self.worker_id)
                 if out:
                     yield out
+                if self.done:
+                    return
         except (TimeoutError, aiohttp.ClientError, ConnectionError) as e:
             raise UpstreamError(f"worker {self.worker_id} stream failed: {type(e).__name__}: {e}", False,
                                 phase="stream") from None
 
     def close(self) -> None:
         self.resp.close()
+
+
+def sse_payloads(rest: bytes, data: bytes, worker_id: str) -> tuple[list[bytes], bytes, bool]:
+    """The `data:` payloads of the complete SSE events in `rest + data`, the unfinished
+    event left over, and whether `[DONE]` came (nothing after it is read)."""
+    buf = rest + data if rest else data
+    if len(buf) > _MAX_EVENT:
+        raise UpstreamError(f"worker {worker_id} sent an oversized event", False, phase="stream")
+    *events, rest = buf.split(b"\n\n")
+    out: list[bytes] = []
+    for ev in events:
+        for line in ev.split(b"\n"):
+            if not line.startswith(b"data:"):
+                continue  # comments, event:/id: fields
+            payload = line[5:].strip()
+            if payload == _DONE:
+                return out, rest, True
+            out.append(payload)
+    return out, rest, False
 
 
 class Abortable(Protocol):

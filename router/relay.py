@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
@@ -21,6 +21,7 @@ from yarl import URL
 from .attempt import JSON_HEADERS, SSE_HEADERS, Attempt, Out, Result
 from .config import PoolConfig
 from .errors import ApiError
+from .exchange import ClientStream, Exchange
 from .observe import Observer
 from .pool import WorkerPool
 from .prepare import Prepared
@@ -142,14 +143,7 @@ class Relay:
             parts = await self._first(a, batches, res, render)
         except _MidStream as e:
             err, parts = e.message, e.parts
-        hdrs = (SSE_HEADERS if prep.stream else JSON_HEADERS) + a.route_headers()
-        stream = _ClientStream(out, hdrs, prep.stream)
-        if prep.stream:
-            if prep.chat:
-                parts.insert(0, chat_first_chunk(prep.rid, prep.created, prep.model_name))
-            if err is not None or not up.done:
-                await stream.flush(parts)
-                parts = []
+        stream, parts = await _start_client(a, out, parts, err is not None or not up.done)
         try:
             if err is None:
                 async for batch in batches:
@@ -169,7 +163,7 @@ class Relay:
         self.observer.done(a, res, True)
         return 200
 
-    async def _complete(self, a: Attempt, res: Result, stream: _ClientStream, parts: list[bytes]) -> None:
+    async def _complete(self, a: Attempt, res: Result, stream: ClientStream, parts: list[bytes]) -> None:
         prep = a.prep
         usage = client_usage(res.usage, len(prep.ids), res.completion_tokens)
         if prep.stream:
@@ -182,7 +176,7 @@ class Relay:
         await stream.flush([build(prep.rid, prep.created, prep.model_name, "".join(res.text), res.finish, usage)],
                            more=False)
 
-    async def _failed_mid_stream(self, a: Attempt, e: UpstreamError, res: Result, stream: _ClientStream) -> int:
+    async def _failed_mid_stream(self, a: Attempt, e: UpstreamError, res: Result, stream: ClientStream) -> int:
         """After the first byte: an explicit SSE error event, never a silent truncation."""
         m, prep, w = self.metrics, a.prep, a.worker
         m.child(m.upstream_errors, w.id, "stream").inc()
@@ -208,7 +202,7 @@ class Relay:
         extra = b"" if rid == prep.rid or not rid.isascii() else b"x-request-id: " + rid.encode() + b"\r\n"
         body = self.payload(prep, w)
         head = request_head(key[0], key[1], "/v1/completions", len(body), extra)
-        ex = _Exchange(self, a, t.idle_timeout_s, t.request_timeout_s)
+        ex = Exchange(self, a, t.idle_timeout_s, t.request_timeout_s)
         task = asyncio.current_task()
         a.rec.ticket.abort = ex.abort
         try:
@@ -246,7 +240,7 @@ class Relay:
         finally:
             ex.finish()
 
-    async def _connect(self, key: tuple[str, int], w: Worker, ex: _Exchange, task: asyncio.Task[Any] | None) -> Conn:
+    async def _connect(self, key: tuple[str, int], w: Worker, ex: Exchange, task: asyncio.Task[Any] | None) -> Conn:
         ex.task = task  # an abort while connecting cancels the wait
         try:
             return await self.upstream.get(key)
@@ -257,7 +251,7 @@ class Relay:
         finally:
             ex.task = None
 
-    async def _relay_fast(self, a: Attempt, ex: _Exchange, batch: list[bytes], out: Out) -> int:
+    async def _relay_fast(self, a: Attempt, ex: Exchange, batch: list[bytes], out: Out) -> int:
         prep, w = a.prep, a.worker
         res = ex.res
         render = chunk_renderer(prep.chat, prep.rid, prep.created, prep.model_name) if prep.stream else None
@@ -270,14 +264,7 @@ class Relay:
         err, parts = self._absorb(res, batch, prep, render)
         if err is not None and not res.text:
             raise UpstreamError(f"worker {w.id} sent an error: {err}", True, phase="first")
-        hdrs = (SSE_HEADERS if prep.stream else JSON_HEADERS) + a.route_headers()
-        stream = _ClientStream(out, hdrs, prep.stream)
-        if prep.stream:
-            if prep.chat:
-                parts.insert(0, chat_first_chunk(prep.rid, prep.created, prep.model_name))
-            if err is not None or not ex.done:
-                await stream.flush(parts)
-                parts = []
+        stream, parts = await _start_client(a, out, parts, err is not None or not ex.done)
         try:
             if err is None and not ex.done:
                 err, parts = await ex.stream(stream, render)
@@ -330,292 +317,16 @@ class _MidStream(Exception):
         self.parts = parts
 
 
-class _ClientStream:
-    """The client side: starts the response on the first write, joins parts per write."""
-
-    __slots__ = ("out", "headers", "started", "stream")
-
-    def __init__(self, out: Out, headers: list[tuple[bytes, bytes]], stream: bool) -> None:
-        self.out = out
-        self.headers = headers
-        self.started = False
-        self.stream = stream
-
-    async def flush(self, parts: list[bytes], more: bool = True) -> None:
-        if not self.started:
-            await self.out.start(200, self.headers)
-            self.started = True
-        if parts or not more:
-            await self.out.body(b"".join(parts), more)
-
-    def write_now(self, data: bytes) -> tuple[Coroutine[Any, Any, None], Any] | None:
-        """Write from a callback: the server's send runs to its end here unless it has to wait
-        (flow control), in which case (the coroutine, what it waits on) is returned to finish."""
-        coro = self.out.body(data, True)
-        try:
-            waits_on = coro.send(None)
-        except StopIteration:
-            return None
-        return coro, waits_on
-
-
-_MAX_EVENT = 8 << 20
-_MAX_ERR_BODY = 1 << 20
-
-
-class _Exchange:
-    """One attempt's response on an upstream.Conn (its Sink). Until the first batch the
-    handler task waits for events (`next_batch`); after it (`stream`) each network read
-    is folded and written to the client right in the connection's callback, and the task
-    wakes once, at the end. Same SSE reading, errors and timeouts as UpstreamStream."""
-
-    __slots__ = ("relay", "a", "wid", "loop", "conn", "task", "aborted", "status", "head_fut", "whole_fut",
-                 "err_body", "rest", "pending", "done", "error", "waiter", "res", "out", "render", "end", "writer",
-                 "backlog", "idle_s", "total_s", "deadline", "last", "timer", "finished")
-
-    def __init__(self, relay: Relay, a: Attempt, idle_s: float, total_s: float) -> None:
-        self.relay = relay
-        self.a = a
-        self.wid = a.worker.id
-        self.loop = asyncio.get_running_loop()
-        self.conn: Conn | None = None
-        self.task: asyncio.Task[Any] | None = None  # cancelled by an abort while connecting
-        self.aborted = False
-        self.status: int | None = None
-        self.head_fut: asyncio.Future[int] = self.loop.create_future()
-        self.whole_fut: asyncio.Future[None] = self.loop.create_future()
-        self.err_body = bytearray()
-        self.rest = b""
-        self.pending: list[bytes] = []
-        self.done = False  # [DONE] seen
-        self.error: BaseException | None = None
-        self.waiter: asyncio.Future[None] | None = None
-        self.res = Result()
-        self.out: _ClientStream | None = None
-        self.render: Render | None = None
-        self.end: asyncio.Future[tuple[str | None, list[bytes]]] | None = None
-        self.writer: asyncio.Task[None] | None = None  # a client write waiting on flow control
-        self.backlog: list[bytes] = []
-        self.idle_s = idle_s
-        self.total_s = total_s
-        self.deadline = self.loop.time() + total_s
-        self.last = 0.0
-        self.timer: asyncio.TimerHandle | None = None
-        self.finished = False
-
-    # ---------------------------------------------------------------- upstream.Sink
-
-    def head(self, status: int) -> None:
-        self.status = status
-        if not self.head_fut.done():
-            self.head_fut.set_result(status)
-
-    def body(self, data: bytes) -> None:
-        if self.status != 200:
-            if len(self.err_body) < _MAX_ERR_BODY:
-                self.err_body += data
-            return
-        if self.done or self.error is not None:
-            return
-        try:
-            payloads = self._payloads(data)
-        except UpstreamError as e:
-            self._fail(e)
-            return
-        if self.out is None:  # the task reads the first batch itself
-            if payloads:
-                self.pending.extend(payloads)
-            if payloads or self.done:
-                self._wake()
-            return
-        self.last = self.loop.time()
-        self._fold(payloads)
-
-    def complete(self) -> None:
-        if self.status != 200:
-            if not self.whole_fut.done():
-                self.whole_fut.set_result(None)
-        elif not self.done:
-            self._fail(UpstreamError(f"worker {self.wid} closed the stream before [DONE]", False, phase="stream"))
-
-    def lost(self, exc: BaseException | None) -> None:
-        if self.status is None:
-            if self.aborted:
-                self._fail(UpstreamError(f"worker {self.wid} was declared unhealthy before it answered", True))
-            else:
-                self._fail(UpstreamError(f"worker {self.wid} failed: {type(exc).__name__}: {exc}", True))
-        elif self.status != 200:
-            if not self.whole_fut.done():
-                self.err_body.clear()  # as a failed read of the error body: its status alone is relayed
-                self.whole_fut.set_result(None)
-        elif not self.done:
-            self._fail(UpstreamError(f"worker {self.wid} stream failed: {type(exc).__name__}: {exc}", False,
-                                     phase="stream"))
-
-    # ---------------------------------------------------------------- the handler task
-
-    async def next_batch(self) -> list[bytes]:
-        """The payloads read so far (waiting for one at least, or the end)."""
-        while not self.pending and not self.done:
-            if self.error is not None:
-                raise self.error
-            self.waiter = self.loop.create_future()
-            try:
-                await self.waiter
-            finally:
-                self.waiter = None
-        batch, self.pending = self.pending, []
-        return batch
-
-    async def stream(self, out: _ClientStream, render: Render | None) -> tuple[str | None, list[bytes]]:
-        """Relay in the callback until [DONE] or an error; returns (error, parts left to write)."""
-        self.out, self.render = out, render
-        end = self.end = self.loop.create_future()
-        self.last = self.loop.time()
-        self.timer = self.loop.call_at(min(self.last + self.idle_s, self.deadline), self._check)
-        if self.pending or self.done:  # what came while the first batch was written
-            batch, self.pending = self.pending, []
-            self._fold(batch)
-        if self.error is not None and not end.done():
-            end.set_exception(self.error)
-        try:
-            result: tuple[str | None, list[bytes]] = await end
-            return result
-        finally:
-            w = self.writer
-            if w is not None and not w.done():
-                await asyncio.wait({w})
-
-    def abort(self) -> None:
-        """The pool declared the worker dead: end this request now."""
-        self.aborted = True
-        if self.conn is not None:
-            self.conn.close()  # connection_lost → lost()
-        elif self.task is not None:
-            self.task.cancel()
-
-    def finish(self) -> None:
-        """The attempt is over: the connection goes back to the pool if its response ends
-        cleanly, and is closed otherwise (a client gone mid-stream cancels the worker's work)."""
-        self.finished = True
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-        if self.writer is not None and not self.writer.done():
-            self.writer.cancel()
-        c, self.conn = self.conn, None
-        if c is not None:
-            clean = self.error is None and (self.done or (self.status not in (None, 200) and self.whole_fut.done()))
-            if clean:
-                c.release()
-            else:
-                c.close()
-        for f in (self.head_fut, self.whole_fut, self.end):
-            if f is not None and f.done() and not f.cancelled():
-                f.exception()  # retrieved: never "exception was never retrieved"
-
-    # ---------------------------------------------------------------- inside the callbacks
-
-    def _payloads(self, data: bytes) -> list[bytes]:
-        buf = self.rest + data if self.rest else data
-        if len(buf) > _MAX_EVENT:
-            raise UpstreamError(f"worker {self.wid} sent an oversized event", False, phase="stream")
-        *events, self.rest = buf.split(b"\n\n")
-        out: list[bytes] = []
-        for ev in events:
-            for line in ev.split(b"\n"):
-                if not line.startswith(b"data:"):
-                    continue  # comments, event:/id: fields
-                payload = line[5:].strip()
-                if payload == b"[DONE]":
-                    self.done = True
-                    return out
-                out.append(payload)
-        return out
-
-    def _fold(self, payloads: list[bytes]) -> None:
-        end = self.end
-        assert end is not None and self.out is not None
-        if end.done():
-            return
-        err, parts = self.relay._absorb(self.res, payloads, self.a.prep, self.render)
-        if err is not None or self.done:
-            end.set_result((err, parts))
-            return
-        if not parts:
-            return
-        data = parts[0] if len(parts) == 1 else b"".join(parts)
-        if self.writer is not None:  # an earlier write waits for the client: keep the order
-            self.backlog.append(data)
-            return
-        try:
-            waiting = self.out.write_now(data)
-        except Exception as e:  # the server refused the write: the handler raises it
-            self.error = e
-            end.set_exception(e)
-            return
-        if waiting is not None:
-            if self.conn is not None:
-                self.conn.pause()  # backpressure: stop reading the worker until the client reads
-            self.writer = self.loop.create_task(self._finish_write(*waiting))
-
-    async def _finish_write(self, coro: Coroutine[Any, Any, None], waits_on: Any) -> None:
-        try:
-            await _resume(coro, waits_on)
-            while self.backlog:
-                data, self.backlog = b"".join(self.backlog), []
-                assert self.out is not None
-                await self.out.out.body(data, True)
-        finally:
-            self.writer = None
-            if self.conn is not None and not self.finished:
-                self.last = self.loop.time()
-                self.conn.resume()
-
-    def _check(self) -> None:
-        """The idle and total timeouts, one timer re-armed lazily (not one per read)."""
-        self.timer = None
-        if self.end is None or self.end.done():
-            return
-        now = self.loop.time()
-        if now >= self.deadline:
-            self._fail(UpstreamError(f"worker {self.wid} stream failed: TimeoutError: over {self.total_s:.0f} s",
-                                     False, phase="stream"))
-            return
-        if self.writer is not None:
-            self.last = now  # waiting on the client, not on the worker
-        if now - self.last >= self.idle_s:
-            self._fail(UpstreamError(f"worker {self.wid}: no next chunk within {self.idle_s:.0f} s", False,
-                                     phase="idle_timeout"))
-            return
-        self.timer = self.loop.call_at(min(self.last + self.idle_s, self.deadline), self._check)
-
-    def _wake(self) -> None:
-        w = self.waiter
-        if w is not None and not w.done():
-            w.set_result(None)
-
-    def _fail(self, err: BaseException) -> None:
-        if self.error is not None or self.finished:
-            return
-        self.error = err
-        for f in (self.head_fut, self.waiter, self.end):
-            if f is not None and not f.done():
-                f.set_exception(err)
-
-
-async def _resume(coro: Coroutine[Any, Any, None], waits_on: Any) -> None:
-    """Run to its end a coroutine that was stepped by hand until it had to wait."""
-    try:
-        while True:
-            if isinstance(waits_on, asyncio.Future):
-                waits_on._asyncio_future_blocking = False
-                await asyncio.wait({waits_on})
-            else:
-                await asyncio.sleep(0)
-            waits_on = coro.send(None)
-    except StopIteration:
-        return
-    except BaseException:
-        coro.close()
-        raise
+async def _start_client(a: Attempt, out: Out, parts: list[bytes], more: bool) -> tuple[ClientStream, list[bytes]]:
+    """The client's response after the first batch: a stream starts now (with chat's role
+    chunk) unless the whole answer is already here; a JSON body waits for the end."""
+    prep = a.prep
+    hdrs = (SSE_HEADERS if prep.stream else JSON_HEADERS) + a.route_headers()
+    stream = ClientStream(out, hdrs, prep.stream)
+    if prep.stream:
+        if prep.chat:
+            parts.insert(0, chat_first_chunk(prep.rid, prep.created, prep.model_name))
+        if more:
+            await stream.flush(parts)
+            parts = []
+    return stream, parts

@@ -30,6 +30,14 @@ Locking: every bookkeeping structure here is guarded by the engine lock (`lock`)
 same the engine thread holds for `schedule`/`commit`. Store and network calls are never
 made with it held (the stores call `on_drop` from inside `get`/`put`, which takes it).
 Methods say whether they expect the lock held ("under the lock") or take it.
+
+Why one module of ~1,400 lines, for now: `KVTiers` is the one owner of what the tiers
+hold and what the engine has published about them, every method changing that state under
+the engine lock, and a block's life crosses every path (offload, load, prefetch, peer
+pull, failure); the parts without that state already live apart (hostpool.py, links.py,
+store/). Splitting the class along those paths (offload, loads, prefetch) behind one
+shared bookkeeping object is the next change to this file; it was not done in the change
+that grew it.
 """
 from __future__ import annotations
 
