@@ -17,94 +17,12 @@ Every command writes results as JSONL plus a Markdown report with PNG plots into
 from __future__ import annotations
 
 import argparse
-import math
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from .trace import Trace, TraceError
-
-
-def _out_dir(arg: str | None, what: str) -> Path:
-    if arg:
-        return Path(arg)
-    return Path("runs") / f"{what}-{time.strftime('%Y%m%d-%H%M%S')}"
-
-
-def _value(s: str) -> Any:
-    low = s.lower()
-    if low in ("true", "false"):
-        return low == "true"
-    if low in ("none", "null"):
-        return None
-    for cast in (int, float):
-        try:
-            return cast(s)
-        except ValueError:
-            pass
-    return s
-
-
-def _policy_params(items: list[str]) -> dict[str, dict[str, Any]]:
-    """`--param kv_cost.balance_eps=0.2` → {"kv_cost": {"balance_eps": 0.2}}."""
-    out: dict[str, dict[str, Any]] = {}
-    for it in items:
-        key, sep, val = it.partition("=")
-        pol, dot, name = key.partition(".")
-        if not sep or not dot or not pol or not name:
-            raise TraceError(f"--param {it!r}: expected POLICY.NAME=VALUE")
-        out.setdefault(pol, {})[name] = _value(val)
-    return out
-
-
-# ------------------------------------------------------------------ trace options
-
-
-def _add_trace_args(p: argparse.ArgumentParser, required: bool = True) -> None:
-    g = p.add_argument_group("trace")
-    g.add_argument("--trace", required=required, help="trace file (Mooncake JSONL, Azure CSV, BurstGPT CSV)")
-    g.add_argument("--format", default="auto", choices=["auto", "mooncake", "azure", "burstgpt"])
-    g.add_argument("--block-tokens", type=int, default=512, help="Mooncake file's block size (default 512)")
-    g.add_argument("--start", type=float, default=0.0, help="skip arrivals before this many trace seconds")
-    g.add_argument("--duration", type=float, default=None,
-                   help="bound the run: keep the arrivals of its first S seconds (after --speed)")
-    g.add_argument("--limit", type=int, default=None, help="keep at most this many requests")
-    g.add_argument("--speed", type=float, default=1.0, help="arrival-rate factor (2 = twice as fast)")
-    g.add_argument("--vocab-size", type=int, default=8192, help="synthesised token ids lie below this")
-    g.add_argument("--seed", type=int, default=0, help="token synthesis and sharing-model seed")
-    s = p.add_argument_group("prefix-sharing model for traces without prefixes (loadtest/sharing.py)")
-    s.add_argument("--sharing", choices=["model", "none"], default="model")
-    s.add_argument("--followup-prob", type=float, default=0.3)
-    s.add_argument("--system-prob", type=float, default=0.6)
-    s.add_argument("--system-prompts", type=int, default=8)
-    s.add_argument("--system-tokens", type=int, default=768, help="median system-prompt length")
-    s.add_argument("--session-idle", type=float, default=900.0)
-    s.add_argument("--burst-model", default=None, help="BurstGPT: keep only this Model")
-    s.add_argument("--burst-log-type", default=None, help='BurstGPT: keep only this Log Type ("Conversation log")')
-
-
-def _load(args: argparse.Namespace) -> Trace:
-    from .sharing import SharingModel
-    from .traces import load_trace
-
-    sharing = None
-    if args.sharing == "model":
-        sharing = SharingModel(
-            seed=args.seed, followup_prob=args.followup_prob, system_prob=args.system_prob,
-            system_prompts=args.system_prompts, system_tokens_median=args.system_tokens,
-            session_idle_s=args.session_idle,
-        )
-    trace = load_trace(args.trace, args.format, block_tokens=args.block_tokens, sharing=sharing,
-                       model=args.burst_model, log_type=args.burst_log_type)
-    if args.start or args.duration is not None or args.limit is not None:
-        span = args.duration * args.speed if args.duration is not None else None
-        trace = trace.window(args.start, span, args.limit)
-    if not trace.requests:
-        raise TraceError("the selected window of the trace has no requests")
-    trace.validate()
-    return trace
-
+from .cliargs import add_trace_args, delay, load_trace, out_dir, policy_params, trace_notes
+from .trace import TraceError
 
 # ------------------------------------------------------------------ replay
 
@@ -116,14 +34,14 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from .summary import summarize
     from .tokens import TokenSynth
 
-    trace = _load(args)
+    trace = load_trace(args)
     synth = TokenSynth.for_trace(trace, vocab_size=args.vocab_size, seed=args.seed)
     cfg = ReplayConfig(
         url=args.url, endpoint=args.endpoint, model=args.model, speed=args.speed, concurrency=args.concurrency,
         duration_s=args.duration, request_timeout_s=args.timeout, api_key=args.api_key,
         ignore_eos=not args.no_ignore_eos, progress=not args.no_progress and sys.stderr.isatty(),
     )
-    out = _out_dir(args.out, "replay")
+    out = out_dir(args.out, "replay")
     out.mkdir(parents=True, exist_ok=True)
     res_path = out / "results.jsonl"
     label = args.label or f"replay@{cfg.base.split('//', 1)[-1]}"
@@ -131,22 +49,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
         run_replay(trace, synth, cfg, label=label, writer=w,
                    meta_extra={"policy": args.policy_label, "workers": args.workers_label})
     runs = read_runs(res_path)
-    md = write_report(runs, out, title=f"Replay of {trace.name}", notes=_trace_notes(trace, args.speed))
+    md = write_report(runs, out, title=f"Replay of {trace.name}", notes=trace_notes(trace, args.speed))
     print(latency_table([summarize(r) for r in runs]))
     print(f"\nresults: {res_path}\nreport:  {md}")
     return 0
-
-
-def _trace_notes(trace: Trace, speed: float) -> list[str]:
-    st = trace.stats()
-    notes = [
-        f"trace {trace.name} ({trace.source or 'in memory'}): {st.requests} requests over {st.span_s:.0f} s "
-        f"({st.rate_rps:.2f} req/s at speed 1), input p50 {st.input_p50:.0f} / p99 {st.input_p99:.0f} tokens, "
-        f"ideal prefix reuse {st.ideal_token_reuse:.1%} of tokens",
-        f"speed factor {speed:g} (arrival times divided by it)",
-    ]
-    notes += trace.notes
-    return notes
 
 
 # ------------------------------------------------------------------ simulate
@@ -202,7 +108,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from .summary import ideal_by_index, summarize
     from .sweep import find_load, find_util_speed, ideal_for, plan_jobs, run_matrix
 
-    trace = _load(args)
+    trace = load_trace(args)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     bad = [p for p in policies if p not in POLICY_NAMES]
     if bad or not policies:
@@ -212,8 +118,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     tier_sets = list(TIER_SWEEP) if args.tier_sweep else [args.tiers]
     for t in tier_sets:
         parse_tiers(t)
-    params = _policy_params(args.param)
-    out = _out_dir(args.out, "simulate")
+    params = policy_params(args.param)
+    out = out_dir(args.out, "simulate")
     out.mkdir(parents=True, exist_ok=True)
     notes: list[str] = []
     speed = args.speed
@@ -268,7 +174,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         if ideal is not None:
             runs = [ideal, *runs]
     sums = summaries(runs)
-    notes = _trace_notes(trace, speed) + [
+    notes = trace_notes(trace, speed) + [
         f"fleet: {args.workers} x {args.profile}, block size {runs[-1].meta.params.get('block_size')}, "
         f"load poll {args.poll_interval:g} s, event lag {args.event_lag:g} s, prefetch "
         f"{'off' if args.no_prefetch else 'on'}"] + notes
@@ -301,7 +207,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     if args.runs:
         keep = set(args.runs.split(","))
         runs = [r for r in runs if r.meta.run in keep]
-    md = write_report(runs, _out_dir(args.out, "report"), title=args.title, plots=not args.no_plots)
+    md = write_report(runs, out_dir(args.out, "report"), title=args.title, plots=not args.no_plots)
     print(latency_table([summarize(r) for r in runs]))
     print(f"\nreport: {md}")
     return 0
@@ -310,7 +216,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_trace(args: argparse.Namespace) -> int:
     from .mooncake import dump_mooncake
 
-    trace = _load(args)
+    trace = load_trace(args)
     st = trace.stats()
     for k, v in st.to_dict().items():
         print(f"{k:>20}: {v:.4g}" if isinstance(v, float) else f"{k:>20}: {v}")
@@ -341,7 +247,7 @@ def cmd_scenario(args: argparse.Namespace) -> int:
     for n in names:
         if n not in SCENARIOS:
             raise TraceError(f"unknown scenario {n!r}; `scenario list` shows them")
-    out = _out_dir(args.out, "scenario")
+    out = out_dir(args.out, "scenario")
     failed = 0
     for n in names:
         result = run_scenario(n, size=args.size, out_dir=out / n, seed=args.seed)
@@ -360,7 +266,7 @@ def cmd_harden(args: argparse.Namespace) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     from .compare import CompareConfig, run_compare
 
-    trace = _load(args)
+    trace = load_trace(args)
     cfg = CompareConfig(
         policies=[p.strip() for p in args.policies.split(",") if p.strip()],
         workers=args.workers, profile=args.profile, speed=args.speed, block_size=args.block_size,
@@ -368,7 +274,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         python=args.python, transport=args.offline_transport, offline_seeds=args.offline_seeds,
         http_runs=args.http_runs,
     )
-    ok = run_compare(trace, cfg, _out_dir(args.out, "compare"),
+    ok = run_compare(trace, cfg, out_dir(args.out, "compare"),
                      http_from=Path(args.http_from) if args.http_from else None)
     return 0 if ok else 1
 
@@ -382,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("replay", help="open-loop HTTP replay against an OpenAI-compatible URL")
-    _add_trace_args(p)
+    add_trace_args(p)
     p.add_argument("--url", default="http://127.0.0.1:8000", help="base URL (default: the local gateway)")
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     p.add_argument("--model", default=None, help="model name (default: the first of /v1/models)")
@@ -398,7 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_replay)
 
     p = sub.add_parser("simulate", help="offline discrete-event comparison of routing policies")
-    _add_trace_args(p)
+    add_trace_args(p)
     _add_fleet_args(p)
     p.add_argument("--policies",
                    default="round_robin,least_loaded,prefix_hash,cache_aware,dynamo,kv_cost,kv_cost_true_state")
@@ -440,7 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_report)
 
     p = sub.add_parser("compare", help="offline simulator vs HTTP replay (sim cluster + gateway), p50 TTFT")
-    _add_trace_args(p)
+    add_trace_args(p)
     p.add_argument("--policies", default="round_robin,kv_cost")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--profile", default="h200-llama3.1-8b")
@@ -459,7 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("trace", help="trace statistics, or convert to Mooncake JSONL")
     p.add_argument("action", choices=["stats", "convert"])
-    _add_trace_args(p)
+    add_trace_args(p)
     p.add_argument("--to", default=None, help="convert: output .jsonl")
     p.set_defaults(fn=cmd_trace)
     return ap
@@ -479,9 +385,9 @@ def _add_fleet_args(p: argparse.ArgumentParser) -> None:
                    help="model of the HTTP path: none (the pure model) | local-http (measured on this project's "
                         "stack: intake, large-body lag, jitters, fixed delay)")
     g.add_argument("--transport-seed", type=int, default=0, help="seed of the transport's jitter")
-    g.add_argument("--route-delay", type=_delay, default=None, metavar="S[,S_PER_TOKEN]",
+    g.add_argument("--route-delay", type=delay, default=None, metavar="S[,S_PER_TOKEN]",
                    help="client → gateway delay before routing, seconds [+ seconds per prompt token]")
-    g.add_argument("--send-delay", type=_delay, default=None, metavar="S[,S_PER_TOKEN]",
+    g.add_argument("--send-delay", type=delay, default=None, metavar="S[,S_PER_TOKEN]",
                    help="gateway → worker delay (and the first byte back), seconds [+ seconds per prompt token]")
     g.add_argument("--gateway-order", choices=("none", "fifo", "spf"), default="none",
                    help="the gateway's own queue: none = route on arrival; fifo / spf = bind what arrives at one "
@@ -491,18 +397,6 @@ def _add_fleet_args(p: argparse.ArgumentParser) -> None:
                    help="late binding: hold requests at the gateway while every worker's predicted queue exceeds S")
     g.add_argument("--max-hold", type=float, default=2.0, metavar="S",
                    help="fairness bound of the gateway queue: a request held S seconds is bound first")
-
-
-def _delay(text: str) -> tuple[float, float]:
-    """`0.003` or `0.003,1e-7`: a fixed delay and an optional per-token one, both >= 0."""
-    parts = text.split(",")
-    try:
-        vals = [float(p) for p in parts]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected S or S,S_PER_TOKEN (seconds), got {text!r}") from None
-    if len(vals) > 2 or not all(math.isfinite(v) and v >= 0.0 for v in vals):
-        raise argparse.ArgumentTypeError(f"expected one or two finite non-negative numbers, got {text!r}")
-    return (vals[0], vals[1] if len(vals) > 1 else 0.0)
 
 
 def _missing_extra() -> str | None:

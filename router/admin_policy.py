@@ -12,8 +12,9 @@ import ipaddress
 import socket
 from urllib.parse import urlsplit
 
-from .config import AdminConfig, WorkerConfig
+from .config import AdminConfig
 from .errors import bad_request, forbidden
+from .fleetconfig import WorkerConfig
 
 LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
 

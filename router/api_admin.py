@@ -13,8 +13,9 @@ import msgspec
 from pydantic import ValidationError
 
 from .admin_policy import check_new_worker
-from .config import WorkerConfig, format_validation_error
+from .config import format_validation_error
 from .errors import ApiError, bad_request, not_found
+from .fleetconfig import WorkerConfig
 from .gateway import Gateway
 from .tenancy import Tenant
 

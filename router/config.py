@@ -12,14 +12,22 @@ tokenizer folder found only under the project root resolves there).
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
+from .fleetconfig import (
+    CostConfig,
+    EventsConfig,
+    ModelConfig,
+    NamespaceConfig,
+    SharedPrefixConfig,
+    Strict,
+    WorkerConfig,
+)
 from .planner.registry import make_policy, policy_params
 
 ENV_PREFIX = "KVROUTE_"
@@ -27,146 +35,13 @@ ENV_PREFIX = "KVROUTE_"
 NOT_CONFIG_ENV = frozenset({"KVROUTE_PEER_TOKEN", "KVROUTE_PROFILES_DIR"})
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROFILES_DIR = REPO_ROOT / "configs" / "profiles"
-_TIER_NAMES = ("CPU", "DISK", "REMOTE", "PEER")
 
 
 class ConfigError(ValueError):
     """A config that cannot be used; the message names the field path and the reason."""
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=False)
-
-
-class LinkConfig(_Strict):
-    read_Bps: float = Field(gt=0)
-    latency_s: float = Field(default=0.0, ge=0)
-
-
-class CostConfig(_Strict):
-    """A worker's speed coefficients before its reports (or instead of them, for vLLM)."""
-
-    block_bytes: int | None = Field(default=None, gt=0)
-    prefill_tokens_per_s: float | None = Field(default=None, gt=0)
-    prefill_attn_s_per_token2: float | None = Field(default=None, ge=0)
-    prefill_overhead_s: float | None = Field(default=None, ge=0)
-    decode_step_s: float | None = Field(default=None, ge=0)
-    links: dict[str, LinkConfig] = Field(default_factory=dict)
-
-    @field_validator("links")
-    @classmethod
-    def _tiers(cls, v: dict[str, LinkConfig]) -> dict[str, LinkConfig]:
-        out = {}
-        for k, link in v.items():
-            if k.upper() not in _TIER_NAMES:
-                raise ValueError(f"unknown tier {k!r}; expected one of {', '.join(_TIER_NAMES)}")
-            out[k.upper()] = link
-        return out
-
-    def merged(self, over: CostConfig | None) -> CostConfig:
-        """This config with every field `over` sets replaced (links merged per tier)."""
-        if over is None:
-            return self
-        data = self.model_dump()
-        for k, v in over.model_dump(exclude={"links"}).items():
-            if v is not None:
-                data[k] = v
-        links = {k: LinkConfig(**v) for k, v in data.pop("links").items()}
-        links.update(over.links)
-        return CostConfig(**data, links=links)
-
-
-class NamespaceConfig(_Strict):
-    """The model-level fields of `kvindex.keys.Namespace` (everything but the model id)."""
-
-    revision: str = ""
-    tokenizer_revision: str = ""
-    kv_dtype: str = "auto"
-    parallel: str = "tp1"
-    block_size: int = Field(default=16, gt=0, le=4096)
-
-
-class SharedPrefixConfig(_Strict):
-    """A prefix shared on purpose across tenants (a public system prompt).
-
-    Exactly one of `token_ids` (as sent), `text` (a completion prompt's start, tokenized
-    like a prompt) or `messages` (a chat's first messages, rendered with the model's
-    template) is given. Only its full blocks stay unsalted.
-    """
-
-    name: str
-    model: str | None = None
-    token_ids: list[int] | None = None
-    text: str | None = None
-    messages: list[dict[str, str]] | None = None
-
-    @model_validator(mode="after")
-    def _one(self) -> SharedPrefixConfig:
-        given = [x for x in (self.token_ids, self.text, self.messages) if x is not None]
-        if len(given) != 1:
-            raise ValueError("give exactly one of token_ids, text, messages")
-        return self
-
-
-class ModelConfig(_Strict):
-    id: str = Field(min_length=1)
-    served_names: list[str] = Field(default_factory=list)
-    tokenizer: Path
-    max_context_tokens: int = Field(default=131072, gt=0)
-    namespace: NamespaceConfig = Field(default_factory=NamespaceConfig)
-    # A simulated-worker profile (name in configs/profiles/ or a path) whose `cost`
-    # section seeds this model's cost defaults; explicit `cost` fields win.
-    profile: str | None = None
-    cost: CostConfig = Field(default_factory=CostConfig)
-
-
-class EventsConfig(_Strict):
-    endpoint: str
-    replay_endpoint: str | None = None
-    topic: str = "kv"
-    # vLLM publishing to `tcp://127.0.0.1:P` connects, so the subscriber must bind.
-    bind: bool = False
-
-    @field_validator("endpoint", "replay_endpoint")
-    @classmethod
-    def _zmq(cls, v: str | None) -> str | None:
-        if v is not None and not re.match(r"^(tcp|ipc|inproc)://", v):
-            raise ValueError("must be a ZMQ endpoint (tcp://host:port, ipc://path)")
-        return v
-
-
-class WorkerConfig(_Strict):
-    id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")
-    url: str
-    kind: Literal["kvroute", "vllm"] = "kvroute"
-    model: str | None = None  # defaults to the only model
-    events: EventsConfig | None = None  # kvroute: learned from /info unless given
-    block_size: int | None = Field(default=None, gt=0)  # vLLM engine block size (default: model's)
-    remote_group: str | None = None
-    max_inflight: int | None = Field(default=None, gt=0)
-    cost: CostConfig | None = None
-
-    @field_validator("url")
-    @classmethod
-    def _url(cls, v: str) -> str:
-        """A plain origin: the gateway appends the worker API's paths itself."""
-        from urllib.parse import urlsplit
-
-        u = urlsplit(v)
-        if u.scheme not in ("http", "https") or not u.hostname:
-            raise ValueError("must be an http(s) URL like http://127.0.0.1:9000")
-        if u.username is not None or u.password is not None:
-            raise ValueError("must not carry credentials")
-        if u.path not in ("", "/") or u.query or u.fragment:
-            raise ValueError("must be a bare origin (no path, query or fragment), like http://127.0.0.1:9000")
-        try:
-            u.port  # noqa: B018 - raises ValueError on a bad port
-        except ValueError:
-            raise ValueError("has an invalid port") from None
-        return v.rstrip("/")
-
-
-class DiscoveryConfig(_Strict):
+class DiscoveryConfig(Strict):
     """Workers behind a DNS name (a Kubernetes headless Service, a Consul name): re-resolved
     every `interval_s`; each address becomes a worker `<id_prefix>-<host>-<port>` with the
     fields below, added when it appears and removed when it is gone. `srv`: read SRV
@@ -200,7 +75,7 @@ class DiscoveryConfig(_Strict):
         return self.id_prefix or (labels[0] if labels else "dns")
 
 
-class ShutdownConfig(_Strict):
+class ShutdownConfig(Strict):
     """On SIGTERM: /ready answers 503 at once; requests are still taken for `grace_s` (a
     load balancer notices and stops sending), then the listener closes and requests in
     flight get up to `drain_timeout_s` to finish; then the process exits."""
@@ -209,7 +84,7 @@ class ShutdownConfig(_Strict):
     drain_timeout_s: float = Field(default=30.0, ge=0)
 
 
-class PrefetchConfig(_Strict):
+class PrefetchConfig(Strict):
     enabled: bool = True
     min_blocks: int = Field(default=1, ge=1)
     margin_s: float = Field(default=0.05, ge=0)  # added to the predicted queue time for the deadline
@@ -218,7 +93,7 @@ class PrefetchConfig(_Strict):
     ack_timeout_s: float = Field(default=0.05, gt=0)
 
 
-class RoutingConfig(_Strict):
+class RoutingConfig(Strict):
     policy: str = "kv_cost"
     params: dict[str, Any] = Field(default_factory=dict)
     prefetch: PrefetchConfig = Field(default_factory=PrefetchConfig)
@@ -239,7 +114,7 @@ class RoutingConfig(_Strict):
         return self
 
 
-class TenantConfig(_Strict):
+class TenantConfig(Strict):
     id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     api_keys: list[str] = Field(min_length=1)
     # Isolation salt: enters every key of this tenant's requests. Default: derived from
@@ -255,7 +130,7 @@ class TenantConfig(_Strict):
         return v
 
 
-class LimitsConfig(_Strict):
+class LimitsConfig(Strict):
     max_body_bytes: int = Field(default=8 * 1024 * 1024, gt=0)
     max_prompt_tokens: int | None = Field(default=None, gt=0)  # default: the model's context
     default_max_tokens: int = Field(default=1024, gt=0)
@@ -267,7 +142,7 @@ class LimitsConfig(_Strict):
     max_inflight_body_bytes: int = Field(default=256 * 1024 * 1024, gt=0)
 
 
-class TraceConfig(_Strict):
+class TraceConfig(Strict):
     enabled: bool = False
     path: Path = Path("runs/gateway-trace.jsonl")
     # Keyed-hash salt: without it hash ids cannot be linked to content. Default: random per run.
@@ -276,7 +151,7 @@ class TraceConfig(_Strict):
     max_ids: int = Field(default=10_000_000, gt=0)
 
 
-class OtelConfig(_Strict):
+class OtelConfig(Strict):
     """OpenTelemetry traces (router/tracing.py): a span per request when the SDK is installed.
     `endpoint`: an OTLP/HTTP traces URL (e.g. http://collector:4318/v1/traces); without it
     the process's global tracer provider is used."""
@@ -286,7 +161,7 @@ class OtelConfig(_Strict):
     service_name: str = "kvroute-gateway"
 
 
-class ObservabilityConfig(_Strict):
+class ObservabilityConfig(Strict):
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     log_format: Literal["json", "text"] = "json"  # JSON lines (router/logs.py) or plain text
     # One line per completion request (request id, tenant, worker, decision reason, timings)
@@ -298,7 +173,7 @@ class ObservabilityConfig(_Strict):
     metrics_token: str | None = None
 
 
-class AdminConfig(_Strict):
+class AdminConfig(Strict):
     """What the admin API may do. Without `admin_token` it answers only clients on this
     host, and only while the gateway itself listens on loopback (the embedded default).
 
@@ -325,7 +200,7 @@ class AdminConfig(_Strict):
         return v
 
 
-class PoolConfig(_Strict):
+class PoolConfig(Strict):
     """Worker health, the circuit breaker, and the timeouts of a request upstream.
 
     Health is decided by `/health` probes only: `unhealthy_after` consecutive failures
@@ -367,12 +242,12 @@ class PoolConfig(_Strict):
                    self.first_byte_s(predicted_ttft_s) + max(1, max_tokens) * self.whole_answer_token_s)
 
 
-class ListenConfig(_Strict):
+class ListenConfig(Strict):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
 
 
-class Config(_Strict):
+class Config(Strict):
     listen: ListenConfig = Field(default_factory=ListenConfig)
     admin_token: str | None = None
     admin: AdminConfig = Field(default_factory=AdminConfig)

@@ -6,7 +6,7 @@ never an override (`Pins`): an operator's number is a deliberate correction.
 """
 from __future__ import annotations
 
-from .config import CostConfig
+from .fleetconfig import CostConfig
 from .model import ModelRuntime
 from .planner.fleet import SPEED_FIELDS, TIER_BY_NAME, Pins
 from .planner.types import CostParams, Link

@@ -18,7 +18,8 @@ import dns.asyncresolver
 import dns.exception
 import dns.rdatatype
 
-from .config import DiscoveryConfig, EventsConfig, WorkerConfig
+from .config import DiscoveryConfig
+from .fleetconfig import EventsConfig, WorkerConfig
 
 log = logging.getLogger("kvroute.discovery")
 

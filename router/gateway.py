@@ -26,10 +26,11 @@ from . import admin
 from .admin_policy import LOOPBACK_HOSTS
 from .attempt import Attempt, Out
 from .budget import ByteBudget
-from .config import Config, WorkerConfig
+from .config import Config
 from .discovery import Discovery
 from .errors import ApiError, rate_limited, unavailable, upstream_failed
 from .fidelity import KeyFidelity
+from .fleetconfig import WorkerConfig
 from .ingest_adapter import PoolIngest
 from .membership import Membership
 from .metrics import GatewayMetrics

@@ -11,7 +11,7 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
-from .config import WorkerConfig
+from .fleetconfig import WorkerConfig
 from .pool import WorkerPool
 
 log = logging.getLogger("kvroute.membership")

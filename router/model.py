@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from kvindex.index import PrefixIndex
 from kvindex.keys import Namespace
 
-from .config import CostConfig, ModelConfig, SharedPrefixConfig
+from .fleetconfig import CostConfig, ModelConfig, SharedPrefixConfig
 from .keyplan import KeyPlan, KeyPlanner, SharedPrefix
 from .tokenize import Tokenizer
 

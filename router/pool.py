@@ -27,8 +27,9 @@ import msgspec
 from kvindex.index import IndexError_
 
 from .breaker import Breaker
-from .config import EventsConfig, PoolConfig, WorkerConfig
+from .config import PoolConfig
 from .costs import cost_params, pins
+from .fleetconfig import EventsConfig, WorkerConfig
 from .model import ModelRuntime
 from .planner.fleet import FleetWorker
 from .planner.inflight import InflightLedger

@@ -17,7 +17,7 @@ from yarl import URL  # aiohttp's own URL type (a hard dependency of aiohttp)
 from kvwire import WorkerInfo
 
 from .breaker import Breaker
-from .config import EventsConfig, WorkerConfig
+from .fleetconfig import EventsConfig, WorkerConfig
 from .model import ModelRuntime
 from .planner.fleet import FleetWorker
 from .planner.inflight import Ticket

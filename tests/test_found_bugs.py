@@ -8,7 +8,7 @@ import aiohttp
 from test_gateway_errors import DIGEST, MODEL, _cfg, fleet
 from test_gateway_fakes import FakeWorker, serve_fake
 
-from router.config import WorkerConfig
+from router.fleetconfig import WorkerConfig
 
 
 async def _post(url: str, body: dict[str, Any]) -> int:

@@ -18,7 +18,8 @@ import pytest
 from test_gateway_errors import DIGEST, MODEL, _cfg, client, fleet, wait_until
 from test_gateway_fakes import FakeWorker, serve_fake
 
-from router.config import Config, WorkerConfig
+from router.config import Config
+from router.fleetconfig import WorkerConfig
 from router.server import running_gateway
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say something about caches."}]

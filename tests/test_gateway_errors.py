@@ -14,7 +14,8 @@ import pytest
 from test_gateway_fakes import FakeWorker, serve_fake
 
 from kvindex.keys import Namespace
-from router.config import Config, WorkerConfig, build_config
+from router.config import Config, build_config
+from router.fleetconfig import WorkerConfig
 from router.server import running_gateway
 
 MODEL = "test-model"

@@ -20,7 +20,7 @@ from test_gateway_fakes import FakeWorker, serve_fake
 
 from kvindex.events import BlockStored
 from kvindex.keys import digest64
-from router.config import WorkerConfig
+from router.fleetconfig import WorkerConfig
 
 B = 16
 

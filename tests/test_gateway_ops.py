@@ -29,8 +29,9 @@ from test_gateway_errors import MODEL, _cfg, fleet, wait_until
 from test_gateway_fakes import FakeWorker, serve_fake
 
 from loadtest.ports import free_port
-from router.config import DiscoveryConfig, WorkerConfig
+from router.config import DiscoveryConfig
 from router.discovery import Discovery, LookupFailed, resolve, worker_for
+from router.fleetconfig import WorkerConfig
 from router.logs import JsonFormatter, client_request_id
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -22,8 +22,9 @@ from hypothesis import strategies as st
 
 from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, EventEncoder, KVEvent
 from kvindex.index import PrefixIndex
-from kvindex.ingest import IngestManager, WorkerSubscriber
+from kvindex.ingest import IngestManager
 from kvindex.keys import BlockHasher, Namespace, digests64
+from kvindex.subscriber import WorkerSubscriber
 
 NS = Namespace("test-model", block_size=4)
 HASHER = BlockHasher.for_namespace(NS)

@@ -20,7 +20,7 @@ from test_gateway_fakes import FakeWorker, serve_fake
 from kvindex.events import BlockStored
 from kvindex.keys import digest64
 from kvwire import BlockCounts
-from router.config import EventsConfig, WorkerConfig
+from router.fleetconfig import EventsConfig, WorkerConfig
 from router.vllm_load import VllmLoad, parse_vllm_metrics, vllm_report
 
 B = 16

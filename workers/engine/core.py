@@ -30,6 +30,7 @@ from workers.usage import Usage
 
 from .blocks import BlockManager, EvictedBlock, EvictHook
 from .detok import OutputText
+from .engineconfig import EngineConfig, resolve_num_blocks
 from .kvpool import KVPool
 from .model import LoadedModel
 from .runner import ModelRunner
@@ -37,24 +38,7 @@ from .sampler import Sampler
 from .scheduler import Scheduler, StepPlan
 from .sequence import KeyScope, SamplingParams, SeqStatus, Sequence
 from .speeds import Ewma, PrefillFit
-from .tiers import KVTiers, TierConfig
-
-CPU_DEFAULT_KV_BYTES = 512 << 20
-CUDA_KV_FRACTION = 0.85  # of the device memory free after loading the weights...
-CUDA_RESERVE_BYTES = 1 << 30  # ...minus room for activations
-
-
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    worker_id: str = "w0"
-    block_size: int = 16
-    num_blocks: int | None = None  # exclusive with kv_bytes; neither: a device default
-    kv_bytes: int | None = None
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
-    max_waiting: int = 64
-    parallel: str = "tp1"
-    tiers: TierConfig | None = None  # CPU / DISK / REMOTE below the pool, peer pulls; None: GPU only
+from .tiers import KVTiers
 
 
 @dataclass(slots=True)
@@ -519,23 +503,3 @@ class EngineCore:
         if tiers is None:
             return ["purge"]
         return ["prefetch", "peer_pull", "purge"] if Tier.PEER in tiers.links else ["prefetch", "purge"]
-
-
-def resolve_num_blocks(cfg: EngineConfig, lm: LoadedModel) -> int:
-    """Pool size from `num_blocks`, `kv_bytes`, or the device: most of the free CUDA memory, or
-    a fixed 512 MiB of host memory on CPU."""
-    block_bytes = lm.kv.token_bytes * cfg.block_size
-    if cfg.num_blocks is not None and cfg.kv_bytes is not None:
-        raise ValueError("give num_blocks or kv_bytes, not both")
-    if cfg.num_blocks is not None:
-        n = cfg.num_blocks
-    elif cfg.kv_bytes is not None:
-        n = cfg.kv_bytes // block_bytes
-    elif lm.device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(lm.device)
-        n = int(free * CUDA_KV_FRACTION - CUDA_RESERVE_BYTES) // block_bytes
-    else:
-        n = CPU_DEFAULT_KV_BYTES // block_bytes
-    if n < 1:
-        raise ValueError(f"the KV pool holds no block ({block_bytes} bytes each): give more kv_bytes / num_blocks")
-    return int(n)

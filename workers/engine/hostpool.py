@@ -3,8 +3,8 @@
 Same block layout as the device pool, preallocated once (`capacity_bytes // block_bytes`
 slots; pages are touched only when written, so RSS grows with use). A slot holds one
 block by key, with the metadata and salt its events and purges need. Bookkeeping only
-here; the caller (workers/engine/tiers.py) holds the engine lock around every call, and
-copies bytes in and out of `data[slot]` outside it while the slot is pinned.
+here; the callers (the tier parts, workers/engine/tiers.py) hold the engine lock around every call, and
+copy bytes in and out of `data[slot]` outside it while the slot is pinned.
 
 A slot is *held* (findable, in the LRU), *leaving* (findable, out of the LRU: being
 written to DISK before it goes) or *dropped* (not findable: purged or gone, freed when

@@ -109,7 +109,7 @@ class Sequence:
     preemptions: int = 0
     first_scheduled: float | None = None
     loaded_at: float | None = None  # when its loads from lower tiers ended (None: it loaded nothing)
-    loading: Any = None  # its load in flight (workers/engine/tiers.py `Load`) while LOADING
+    loading: Any = None  # its load in flight (workers/engine/loads.py `Load`) while LOADING
     first_token: float | None = None
     last_token: float | None = None
     generator: torch.Generator | None = None
