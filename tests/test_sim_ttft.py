@@ -227,3 +227,23 @@ def test_too_large_for_kv_capacity() -> None:
         eng.submit(SimRequest("x", P, 64, token_ids=prompt(1)), 0.0)
     with pytest.raises(RequestTooLarge, match="context"):
         eng.submit(SimRequest("y", 131072, 1), 0.0)
+
+
+def test_queue_estimate_prices_blocks_held_below_as_loaded() -> None:
+    """A waiting request whose prefix sits in CPU will load it beside the compute: the
+    queue estimate counts only its recompute as work, not the whole prompt."""
+    prof = profile(cpu=True, disk=False, remote=False)
+    eng = SimEngine("w0", prof)
+    clk = Clock(eng)
+    a = prompt(1)
+    clk.run(eng, a)
+    clk.run(eng, prompt(2))  # a's blocks now in CPU only
+    t = clk.t + 1.0
+    eng.submit(SimRequest("c", P, 1, token_ids=prompt(3)), t)  # fills the step and the pool
+    eng.submit(SimRequest("a", P, 1, token_ids=a), t)  # waits, its prefix on CPU
+    blocks = (P - 1) // BS
+    comp = prof.compute
+    expect = comp.prefill_s(P, 0) + comp.prefill_s(P - blocks * BS, blocks * BS)
+    assert close(eng.estimate_queue_s(t), expect), (eng.estimate_queue_s(t), expect)
+    assert eng.load_report(t).waiting_prefill_tokens == P - blocks * BS
+    drain([eng])

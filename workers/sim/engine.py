@@ -117,7 +117,8 @@ class SimEngine:
             tokens=req.token_ids or (),
         )
         if job.cacheable:
-            job.gpu_hint = self.kv.gpu_prefix(keys, job.cacheable)
+            g = job.gpu_hint = self.kv.gpu_prefix(keys, job.cacheable)
+            job.cached_hint = g + self.kv.held_run(keys, g, job.cacheable)
         self.sched.add(job)
         self.stats.submitted += 1
         self.stats.prompt_tokens += P

@@ -60,6 +60,7 @@ class Job:
     usage: Usage
     phase: Phase = Phase.WAITING
     gpu_hint: int = 0  # leading blocks found on GPU at arrival (queue estimate only)
+    cached_hint: int = 0  # leading blocks found in any tier at arrival: loaded, not computed (same)
     computed: int = 0  # prompt tokens whose KV is (or, once loads land, will be) present
     generated: int = 0
     pinned: list[bytes] = field(default_factory=list)

@@ -48,7 +48,7 @@ class Scheduler:
         self.prefilling: dict[str, Job] = {}
         self.decoding: dict[str, Job] = {}
         self.streaming = 0  # decoding jobs with on_tokens
-        self.waiting_tokens = 0  # prompt tokens of waiting jobs minus their GPU hits at arrival
+        self.waiting_tokens = 0  # prompt tokens of waiting jobs minus their cache hits (any tier) at arrival
         self.running_prefill = 0  # prompt tokens still to compute of scheduled jobs
         self.decode_ctx = 0  # context tokens of the decoding jobs
 
@@ -59,7 +59,7 @@ class Scheduler:
         """A new request joins the waiting queue."""
         self.jobs[job.rid] = job
         self.waiting.append(job)
-        self.waiting_tokens += job.prompt - job.gpu_hint * self.bs
+        self.waiting_tokens += job.prompt - job.cached_hint * self.bs
 
     # ------------------------------------------------------------------ the step loop
 
@@ -259,7 +259,7 @@ class Scheduler:
         u = job.usage
         u.queue_ms = (t - job.arrival) * 1000.0
         u.recomputed_tokens = job.prompt - job.computed
-        self.waiting_tokens -= job.prompt - job.gpu_hint * self.bs
+        self.waiting_tokens -= job.prompt - job.cached_hint * self.bs
         self.running_prefill += job.prompt - job.computed
         if job.pending:
             job.phase = Phase.LOADING
@@ -292,7 +292,7 @@ class Scheduler:
         ph = job.phase
         if ph is Phase.WAITING:
             self.waiting.remove(job)
-            self.waiting_tokens -= job.prompt - job.gpu_hint * self.bs
+            self.waiting_tokens -= job.prompt - job.cached_hint * self.bs
         else:
             if ph is Phase.LOADING:
                 del self.loading[job.rid]
@@ -327,7 +327,8 @@ class Scheduler:
         """Wait before a request arriving now starts its prefill: the step in progress, the
         prompt work queued ahead (with the decode batch riding along in every step), and,
         when the GPU pool cannot hold the waiting requests, the decode time until enough
-        running requests finish."""
+        running requests finish. A waiting request's blocks held below GPU count as loaded
+        (the links move them beside the compute), not as prompt work."""
         step = self.step
         left = max(0.0, step.end_now(now) - now) if step is not None else 0.0
         c = self.compute
@@ -335,15 +336,18 @@ class Scheduler:
         tokens = 0
         bs = self.bs
         for job in self.waiting:
-            cached = job.gpu_hint * bs
+            cached = job.cached_hint * bs  # what loads while it waits is not computed
             n = job.prompt - cached
             work += c.prefill_s(n, cached)
             tokens += n
+        in_step = {job.rid: n for job, n in step.prefill} if step is not None else {}
         for group in (self.loading, self.prefilling):
             for job in group.values():
-                n = job.prompt - job.computed
-                work += c.prefill_s(n, job.computed)
-                tokens += n
+                done = job.computed + in_step.get(job.rid, 0)  # the chunk in this step is in `left`
+                n = job.prompt - done
+                if n > 0:
+                    work += c.prefill_s(n, done)
+                    tokens += n
         b = len(self.decoding)
         if tokens and b:
             steps = math.ceil(tokens / max(1, self.max_batched - b))
