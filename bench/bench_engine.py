@@ -68,7 +68,8 @@ def main() -> None:
 
     import torch
 
-    from workers.engine.core import EngineConfig, EngineCore
+    from workers.engine.core import EngineCore
+    from workers.engine.engineconfig import EngineConfig
     from workers.engine.model import ModelSpec, load_model
     from workers.engine.sequence import SamplingParams
     from workers.engine.store.disk import DiskConfig

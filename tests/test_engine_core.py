@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from workers.api import GenRequest
-from workers.engine.core import EngineConfig, EngineCore, SeqUpdate
+from workers.engine.core import EngineCore, SeqUpdate
 from workers.engine.engine import sampling_of
+from workers.engine.engineconfig import EngineConfig
 from workers.engine.model import LoadedModel, ModelSpec, load_model
 from workers.engine.sequence import SamplingParams, Sequence
 from workers.errors import QueueFull, RequestTooLarge

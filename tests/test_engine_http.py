@@ -32,8 +32,9 @@ from kvindex.keys import Namespace, digests64
 from kvindex.tiers import Tier
 from workers.api import RECORDS_MEDIA_TYPE
 from workers.engine.blockio import read_records
-from workers.engine.core import EngineConfig, EngineCore
+from workers.engine.core import EngineCore
 from workers.engine.engine import TorchEngine
+from workers.engine.engineconfig import EngineConfig
 from workers.engine.model import LoadedModel, ModelSpec, load_model
 from workers.engine.sequence import SamplingParams
 from workers.engine.server import EngineWorker, ServeOptions

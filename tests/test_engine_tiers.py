@@ -24,7 +24,8 @@ import torch
 from kvindex.events import BlockRemoved, BlockStored, KVEvent
 from kvindex.keys import digest64
 from kvindex.tiers import Tier
-from workers.engine.core import EngineConfig, EngineCore
+from workers.engine.core import EngineCore
+from workers.engine.engineconfig import EngineConfig
 from workers.engine.model import LoadedModel, ModelSpec, load_model
 from workers.engine.sequence import SamplingParams, Sequence
 from workers.engine.store.disk import DiskConfig

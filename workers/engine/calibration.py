@@ -34,7 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .core import EngineConfig, EngineCore
+from .core import EngineCore
+from .engineconfig import EngineConfig
 from .model import LoadedModel
 from .sequence import SamplingParams
 from .store.disk import DiskConfig

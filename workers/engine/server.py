@@ -129,7 +129,8 @@ def build_engine(a: argparse.Namespace) -> TorchEngine:
 
     hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # stderr is a log, not a terminal
 
-    from .core import EngineConfig, EngineCore
+    from .core import EngineCore
+    from .engineconfig import EngineConfig
     from .model import ModelSpec, load_model
 
     if a.threads is not None:
