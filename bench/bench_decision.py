@@ -32,6 +32,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_index import fill_random  # noqa: E402  (the same directory: a sibling script)
+
 from kvindex.events import BlockStored  # noqa: E402
 from kvindex.index import PrefixIndex  # noqa: E402
 from kvindex.keys import BlockHasher, Namespace, digests64  # noqa: E402
@@ -123,26 +125,6 @@ def build(n_workers: int, rng: random.Random):
     return ns, hasher, index, convs, views
 
 
-def add_background(index: PrefixIndex, ids: list[str], n_blocks: int, rng: random.Random) -> None:
-    """`n_blocks` unrelated blocks in 512-block chunks, spread over workers and tiers."""
-    import os
-
-    done = 0
-    while done < n_blocks:
-        n = min(512, n_blocks - done)
-        raw = os.urandom(32 * n)
-        keys = [raw[i : i + 32] for i in range(0, 32 * n, 32)]
-        index.store_keys(rng.choice(ids), keys, Tier.GPU)
-        r = rng.random()
-        if r < 0.5:
-            index.store_keys(rng.choice(ids), keys, Tier.CPU)
-        if r < 0.2:
-            index.store_keys(rng.choice(ids), keys, Tier.DISK)
-        if r < 0.1:
-            index.store_keys(rng.choice(ids), keys, Tier.REMOTE)
-        done += n
-
-
 def pct(xs: list[float], q: float) -> float:
     s = sorted(xs)
     return s[min(len(s) - 1, int(q * len(s)))]
@@ -159,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     ns, hasher, index, convs, views = build(args.workers, rng)
     if args.background_blocks:
         t_fill = time.perf_counter()
-        add_background(index, [v.worker_id for v in views], args.background_blocks, rng)
+        fill_random(index, [v.worker_id for v in views], args.background_blocks, rng)
         print(f"added {args.background_blocks:,} background blocks in {time.perf_counter() - t_fill:.0f} s")
     print(f"index: {len(index)} blocks, {index.entries()} entries, {args.workers} workers")
     prompts = [c[:PROMPT] for c in convs]

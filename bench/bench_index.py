@@ -162,22 +162,27 @@ def build_index(n_blocks: int, n_workers: int, rng: random.Random) -> tuple[Pref
     wids = [f"w{i:02d}" for i in range(n_workers)]
     for i, w in enumerate(wids):
         idx.add_worker(w, NS.digest, BS, remote_group=f"rg{i % 8}")
-    chunk = 512
+    fill_random(idx, wids, n_blocks, rng)
+    return idx, wids
+
+
+def fill_random(idx: PrefixIndex, wids: list[str], n_blocks: int, rng: random.Random) -> None:
+    """`n_blocks` unrelated blocks in 512-block chunks, each on a random worker's GPU and,
+    for half, a fifth and a tenth of them, also in CPU, DISK and REMOTE."""
     done = 0
     while done < n_blocks:
-        n = min(chunk, n_blocks - done)
+        n = min(512, n_blocks - done)
         raw = os.urandom(32 * n)
         keys = [raw[i : i + 32] for i in range(0, 32 * n, 32)]
-        idx.store_keys(wids[rng.randrange(n_workers)], keys, Tier.GPU)
+        idx.store_keys(rng.choice(wids), keys, Tier.GPU)
         r = rng.random()
         if r < 0.5:
-            idx.store_keys(wids[rng.randrange(n_workers)], keys, Tier.CPU)
+            idx.store_keys(rng.choice(wids), keys, Tier.CPU)
         if r < 0.2:
-            idx.store_keys(wids[rng.randrange(n_workers)], keys, Tier.DISK)
+            idx.store_keys(rng.choice(wids), keys, Tier.DISK)
         if r < 0.1:
-            idx.store_keys(wids[rng.randrange(n_workers)], keys, Tier.REMOTE)
+            idx.store_keys(rng.choice(wids), keys, Tier.REMOTE)
         done += n
-    return idx, wids
 
 
 def place_prompt(idx: PrefixIndex, wids: list[str], keys: list[bytes], holders: list[str], rng: random.Random) -> None:

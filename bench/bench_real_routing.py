@@ -44,7 +44,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -57,6 +56,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from loadtest.ports import free_port  # noqa: E402
+
 BLOCK = 16
 BLOCK_BYTES = 65536  # the tiny Llama in fp32: 4 layers x 2 x 2 KV heads x 64 x 4 B x 16 tokens
 MODEL = "kvroute/tiny-llama"
@@ -287,12 +289,6 @@ class Proc:
         self.url = ""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
-
-
 def _spawn(cmd: list[str], env: dict[str, str] | None = None, out: Path | None = None) -> subprocess.Popen[str]:
     stdout: Any = subprocess.PIPE if out is None else open(out, "w")  # noqa: SIM115 - closed with the process
     p = subprocess.Popen(cmd, cwd=str(ROOT), stdout=stdout, stderr=subprocess.STDOUT, text=True, env=env,
@@ -336,7 +332,7 @@ def _relay(w: Proc) -> None:
 
 
 def start_gateway(logs: Path, tmp: Path, workers: dict[str, str]) -> str:
-    port = _free_port()
+    port = free_port(HOST)
     cfg = {
         "listen": {"host": HOST, "port": port},
         "models": [{"id": MODEL, "served_names": ["tiny"], "tokenizer": str(ROOT / "configs/assets/tiny-tokenizer"),

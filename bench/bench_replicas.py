@@ -31,9 +31,7 @@ import itertools
 import json
 import os
 import random
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,11 +40,10 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from loadtest.ports import free_port  # noqa: E402
+from loadtest.harden.procs import Procs  # noqa: E402
 
 PROFILE = "h200-llama3.1-8b"
 # (name, gateway processes, routing.replicas each is told): two-blind counts only its own dispatches
@@ -59,29 +56,8 @@ VOCAB = ("alpha beta gamma delta epsilon kv cache route block prefix token worke
 # ---------------------------------------------------------------------- processes
 
 
-def start_cluster(n: int) -> tuple[subprocess.Popen[str], list[str]]:
-    cmd = [sys.executable, "-m", "workers.cli", "sim-cluster", "--workers", str(n), "--profile", PROFILE,
-           "--base-port", "0", "--host", "127.0.0.1", "--tokenizer", str(ROOT / "configs/assets/tiny-tokenizer")]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    urls: list[str] = []
-    deadline = time.monotonic() + 120
-    assert proc.stdout is not None
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        words = line.split()
-        if words == ["ready"]:
-            return proc, urls
-        if words and words[0] == "worker":
-            urls += [w[4:] for w in words if w.startswith("url=")]
-    proc.kill()
-    raise SystemExit("sim-cluster did not start")
-
-
-def gateway_config(path: Path, port: int, urls: list[str], replicas: int = 1) -> None:
-    path.write_text(yaml.safe_dump({
-        "listen": {"host": "127.0.0.1", "port": port},
+def gateway_config(urls: list[str], replicas: int = 1) -> dict[str, Any]:
+    return {
         "models": [{"id": MODEL, "served_names": ["llama-3.1-8b"],
                     "tokenizer": str(ROOT / "configs/assets/tiny-tokenizer"), "profile": PROFILE}],
         "workers": [{"id": f"s{i}", "url": u} for i, u in enumerate(urls)],
@@ -89,37 +65,7 @@ def gateway_config(path: Path, port: int, urls: list[str], replicas: int = 1) ->
         "pool": {"load_poll_interval_s": 0.05, "health_interval_s": 0.5},
         "observability": {"log_level": "WARNING", "request_log": False},
         "shutdown": {"grace_s": 0.0, "drain_timeout_s": 5.0},
-    }))
-
-
-async def start_gateway(cfg: Path, port: int) -> asyncio.subprocess.Process:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "kvroute.cli", "serve", "--config", str(cfg), cwd=str(ROOT),
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
-    deadline = time.monotonic() + 60
-    async with aiohttp.ClientSession() as s:
-        while time.monotonic() < deadline:
-            if proc.returncode is not None:
-                raise SystemExit(f"gateway exited with {proc.returncode} (config {cfg})")
-            try:
-                async with s.get(f"http://127.0.0.1:{port}/ready") as r:
-                    if r.status == 200:
-                        return proc
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.1)
-    proc.kill()
-    raise SystemExit("gateway not ready after 60 s")
-
-
-async def stop(proc: asyncio.subprocess.Process) -> None:
-    if proc.returncode is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            await asyncio.wait_for(proc.wait(), 15)
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
+    }
 
 
 # ---------------------------------------------------------------------- the balancer
@@ -234,15 +180,11 @@ async def sample_queues(urls: list[str], stop_at: list[bool], out: list[list[int
 
 
 async def run_once(config: str, replicas: int, urls: list[str], a: argparse.Namespace, seed: int,
-                   tmp: Path, count_replicas: int = 1) -> RunResult:
-    ports = [free_port() for _ in range(replicas)]
-    procs = []
-    rr = RoundRobin(ports)
+                   procs: Procs, count_replicas: int = 1) -> RunResult:
+    gws = [procs.gateway(gateway_config(urls, count_replicas), name=f"gw-{config}-{seed}-{i}")
+           for i in range(replicas)]
+    rr = RoundRobin([g.port for g in gws])
     try:
-        for i, p in enumerate(ports):
-            cfg = tmp / f"gw-{config}-{seed}-{i}.yaml"
-            gateway_config(cfg, p, urls, count_replicas)
-            procs.append(await start_gateway(cfg, p))
         await rr.start()
         base = f"http://127.0.0.1:{rr.port}"
         rng = random.Random(seed)
@@ -270,8 +212,8 @@ async def run_once(config: str, replicas: int, urls: list[str], a: argparse.Name
         return res
     finally:
         await rr.close()
-        for p in procs:
-            await stop(p)
+        for g in gws:
+            procs.stop(g.proc)
 
 
 def median_of(rows: list[dict[str, Any]], key: str) -> float:
@@ -280,26 +222,23 @@ def median_of(rows: list[dict[str, Any]], key: str) -> float:
 
 
 async def main_async(a: argparse.Namespace) -> int:
-    cluster, urls = start_cluster(a.workers)
     rows: list[dict[str, Any]] = []
-    try:
-        with tempfile.TemporaryDirectory(prefix="kvroute-replicas-") as d:
-            tmp = Path(d)
+    with tempfile.TemporaryDirectory(prefix="kvroute-replicas-") as d:
+        tmp = Path(d)
+        procs = Procs(tmp)
+        try:
+            urls = [w.url for w in procs.sim_cluster(a.workers, PROFILE, timeout=120).workers]
             seed = 1000
             for rnd in range(a.rounds):
                 order = CONFIGS if rnd % 2 == 0 else CONFIGS[::-1]
                 for config, n, counted in order:
                     seed += 1
-                    r = (await run_once(config, n, urls, a, seed, tmp, counted)).row()
+                    r = (await run_once(config, n, urls, a, seed, procs, counted)).row()
                     r["round"] = rnd
                     rows.append(r)
                     print(json.dumps(r), flush=True)
-    finally:
-        cluster.send_signal(signal.SIGINT)
-        try:
-            cluster.wait(15)
-        except subprocess.TimeoutExpired:
-            cluster.kill()
+        finally:
+            procs.close()
     keys = ("ttft_p50_ms", "ttft_p95_ms", "ttft_mean_ms", "burst_max_over_mean", "queue_mean_max_over_mean",
             "queue_p90_max_over_mean")
     names = [c for c, _, _ in CONFIGS]

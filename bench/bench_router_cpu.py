@@ -52,6 +52,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from loadtest.ports import free_port  # noqa: E402
 
 PROFILE = "h200-llama3.1-8b"
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
@@ -194,12 +195,6 @@ def _tree_cpu_s(pid: int) -> float:
     return total / tick
 
 
-def _free_port() -> int:
-    from loadtest.ports import free_port
-
-    return free_port("127.0.0.1")
-
-
 @dataclass
 class Target:
     name: str
@@ -282,7 +277,7 @@ def _start_fleet(procs: Procs, workers: int) -> list[str]:
 def _kvroute(procs: Procs, tmp: Path, policy: str, workers: list[str]) -> Target:
     import yaml
 
-    port = _free_port()
+    port = free_port()
     cfg = {
         "listen": {"host": "127.0.0.1", "port": port},
         "models": [{"id": MODEL, "tokenizer": str(TOKENIZER), "profile": PROFILE}],
@@ -298,11 +293,11 @@ def _kvroute(procs: Procs, tmp: Path, policy: str, workers: list[str]) -> Target
 
 
 def _peer(procs: Procs, tmp: Path, py: Path, which: str, policy: str, workers: list[str]) -> Target:
-    port = _free_port()
+    port = free_port()
     log = tmp / f"{which}-{policy}.log"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     common = ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers, "--policy", policy,
-              "--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port())]
+              "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
     if which == "sglang":
         argv = [str(py), "-m", "sglang_router.launch_router", *common, "--log-level", "warn"]
     else:

@@ -18,9 +18,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from loadtest.blockkeys import TraceKeyer  # noqa: E402
+from loadtest.blockkeys import (
+    KeyCache,  # noqa: E402
+    TraceKeyer,  # noqa: E402
+)
 from loadtest.fleet import FleetSpec  # noqa: E402
-from loadtest.simulate import KeyCache, SimSettings, Simulation  # noqa: E402
+from loadtest.simulate import SimSettings, Simulation  # noqa: E402
 from loadtest.summary import summarize  # noqa: E402
 from loadtest.tokens import TokenSynth  # noqa: E402
 from loadtest.trace import TraceError  # noqa: E402

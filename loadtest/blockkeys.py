@@ -7,11 +7,12 @@ Hashing a whole 67-M-token trace block by block is seconds of work, and a third 
 Mooncake's blocks repeat an earlier one; when the fleet block divides the trace
 block, a trace block's fleet keys depend only on (scope, parent key, block id), so
 they are memoised on that triple (bounded; cleared when full). Other block sizes
-hash the whole prompt.
+hash the whole prompt. `KeyCache` keeps each request's keys and digests for the runs
+that share a trace.
 """
 from __future__ import annotations
 
-from kvindex.keys import ROOT_KEY, BlockHasher, Namespace
+from kvindex.keys import ROOT_KEY, BlockHasher, Namespace, digests64
 
 from .tokens import TokenSynth
 from .trace import TraceRequest
@@ -90,3 +91,20 @@ class TraceKeyer:
                 break
             parent = out[-1]
         return out
+
+
+class KeyCache:
+    """Per-request keys and digests of one trace at one namespace, shared by runs
+    (cached by request index and scope, so a scenario's per-run LoRA/salt changes stay apart)."""
+
+    def __init__(self, keyer: TraceKeyer) -> None:
+        self.keyer = keyer
+        self._cache: dict[tuple[int, str | None, str | None], tuple[list[bytes], list[int]]] = {}
+
+    def get(self, req: TraceRequest) -> tuple[list[bytes], list[int]]:
+        ck = (req.index, req.lora, req.cache_salt)
+        kd = self._cache.get(ck)
+        if kd is None:
+            keys = self.keyer.keys(req)
+            kd = self._cache[ck] = (keys, digests64(keys))
+        return kd

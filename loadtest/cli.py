@@ -84,11 +84,7 @@ def _router_settings(args: argparse.Namespace) -> Any:
         rs = replace(rs, route_delay_s=args.route_delay[0], route_delay_s_per_token=args.route_delay[1])
     if args.send_delay is not None:
         rs = replace(rs, send_delay_s=args.send_delay[0], send_delay_s_per_token=args.send_delay[1])
-    order = getattr(args, "gateway_order", "none")
-    hold = getattr(args, "hold_target", None)
-    if order != "none" or hold is not None:
-        rs = replace(rs, gateway_order=order, hold_target_s=hold, max_hold_s=getattr(args, "max_hold", 2.0))
-    return rs
+    return replace(rs, gateway_order=args.gateway_order, hold_target_s=args.hold_target, max_hold_s=args.max_hold)
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:

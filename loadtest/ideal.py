@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from itertools import groupby
 
+from router.planner.cost import usable_blocks
 from workers.sim import SimProfile
 
 from .results import RequestResult, Run, RunMeta
@@ -59,8 +60,7 @@ def ideal_prefill_s(profile: SimProfile, prompt_tokens: int, cached_blocks: int)
     bs = profile.block_size
     c = profile.compute
     budget = profile.scheduler.max_num_batched_tokens
-    usable = (prompt_tokens - 1) // bs if prompt_tokens > 0 else 0
-    cached = min(cached_blocks, max(usable, 0)) * bs
+    cached = usable_blocks(prompt_tokens, cached_blocks, bs) * bs
     left = prompt_tokens - cached
     t = 0.0
     while left > 0:

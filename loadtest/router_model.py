@@ -275,12 +275,7 @@ class SimRouter:
         if self.true_state:
             views, matches = self._true_views(keys, now)
         else:
-            self.deliver(now)
-            views = []
-            for w in self.workers.values():
-                w.fleet.refresh(now)
-                views.append(w.view)
-            matches = self.index.match(digests)
+            views, matches = self._reported_views(now), self.index.match(digests)
         if candidates is not None:
             allowed = set(candidates)
             views = [v for v in views if v.worker_id in allowed]
@@ -289,17 +284,19 @@ class SimRouter:
         self._last_decision = d
         return d, rr
 
+    def _reported_views(self, now: float) -> list[WorkerView]:
+        """The gateway's view of every worker now: events delivered, reports aged."""
+        self.deliver(now)
+        views = []
+        for w in self.workers.values():
+            w.fleet.refresh(now)
+            views.append(w.view)
+        return views
+
     def queue_estimates(self, now: float, candidates: Sequence[str] | None = None) -> list[float]:
         """Each routable worker's predicted queue now, as the policy would see it (the
         gateway queue's late-binding test)."""
-        if self.true_state:
-            views, _ = self._true_views([], now)
-        else:
-            self.deliver(now)
-            views = []
-            for w in self.workers.values():
-                w.fleet.refresh(now)
-                views.append(w.view)
+        views = self._true_views([], now)[0] if self.true_state else self._reported_views(now)
         allowed = set(candidates) if candidates is not None else None
         return [queue_seconds(v, exact=self.true_state) for v in views
                 if allowed is None or v.worker_id in allowed]

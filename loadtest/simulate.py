@@ -25,12 +25,12 @@ token − arrival, TPOT = (last − first) / (n − 1), E2E = last − arrival.
 raised when it was scheduled (`usage.kv.prefetched_tokens`), priced at the link
 bandwidth of the tiers the planner's estimate planned to prefetch from.
 
-Why one module of ~650 lines: it is one discrete-event loop, and every handler below
+Why one module of ~580 lines: it is one discrete-event loop, and every handler below
 (arrival, route, bind, submit, first token, finish, worker churn) reads and writes the
 same event heap, pending requests and engines at the same virtual instant. What does not
 need that state lives apart: the router's view (router_model.py), the engines
-(workers/sim), the gateway queue (router/planner/gateway_queue.py), the statistics
-(summary.py).
+(workers/sim), the gateway queue (router/planner/gateway_queue.py), the run's counters
+(simstats.py), the statistics (summary.py).
 """
 from __future__ import annotations
 
@@ -44,25 +44,23 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvindex.keys import digests64
-from kvindex.tiers import Tier
 from router.planner.base import PolicyBase
-from router.planner.cost import coschedule_delay
+from router.planner.cost import COSCHEDULE_SLACK_S, coschedule_delay, may_coschedule, usable_blocks
 from router.planner.gateway_queue import GatewayQueue
 from router.planner.registry import make_policy
 from router.planner.types import Decision, Estimate, RouteRequest
 from workers.sim import SimEngine, SimRequest
 from workers.sim.engine import BadRequest, QueueFull, Usage
 
-from .blockkeys import TraceKeyer
+from .blockkeys import KeyCache, TraceKeyer
 from .fleet import Fleet, FleetSpec, parse_tiers, tiers_label
 from .results import RequestResult, Run, RunMeta
 from .router_model import Inflight, RouterSettings, SimRouter
+from .simstats import error_stats, fleet_stats, gateway_stats, prefetch_hidden_s, router_stats
 from .tokens import TokenSynth
 from .trace import Trace, TraceError, TraceRequest
 
 _ENGINE, _POLL, _ACTION, _ARRIVAL, _ROUTE, _SUBMIT, _RELEASE = 0, 1, 2, 3, 4, 5, 6
-COSCHEDULE_SLACK_S = 0.02  # kv_cost's default coschedule_slack_s, for policies without one
 
 Action = Callable[["Simulation", float], None]
 
@@ -75,23 +73,6 @@ class SimSettings:
     vocab_size: int = 8192
     seed: int = 0
     max_drain_s: float = 3600.0  # after the last arrival, how long unfinished requests may run
-
-
-class KeyCache:
-    """Per-request keys and digests of one trace at one namespace, shared by runs
-    (cached by request index and scope, so a scenario's per-run LoRA/salt changes stay apart)."""
-
-    def __init__(self, keyer: TraceKeyer) -> None:
-        self.keyer = keyer
-        self._cache: dict[tuple[int, str | None, str | None], tuple[list[bytes], list[int]]] = {}
-
-    def get(self, req: TraceRequest) -> tuple[list[bytes], list[int]]:
-        ck = (req.index, req.lora, req.cache_salt)
-        kd = self._cache.get(ck)
-        if kd is None:
-            keys = self.keyer.keys(req)
-            kd = self._cache[ck] = (keys, digests64(keys))
-        return kd
 
 
 @dataclass(slots=True, eq=False)
@@ -121,7 +102,6 @@ class _Pending:
     first: float | None = None
     routed: _Routed | None = None
     predicted_at_dispatch: float | None = None  # before any revision (Simulation._revise_ahead)
-    held: bool = False  # went through the gateway queue
     hold_s: float = 0.0  # time spent there before being bound
 
 
@@ -295,8 +275,7 @@ class Simulation:
         if not self.true_state and digests:
             best = max((m.blocks for m in self.router.index.match(digests).values()), default=0)
         bs = self.router.block_size
-        size = max(1, req.input_length - min(best, (req.input_length - 1) // bs) * bs)
-        p.held = True
+        size = max(1, req.input_length - usable_blocks(req.input_length, best, bs) * bs)
         gq.push(p, float(size), now, req.cache_salt or req.lora or "")
         if self._release_at != now:  # after every arrival of this instant (its kind sorts last)
             self._release_at = now
@@ -369,7 +348,7 @@ class Simulation:
         have not started yet and whose step it rides in (cost.coschedule_delay) get their
         first token one chunk later, so their predictions move by that much (the token
         budget shared with what the router itself sends next: docs/simulator.md)."""
-        if not self.settings.router.revise_predictions or est is None or not est.eligible or est.t_load_total > 0.0:
+        if not self.settings.router.revise_predictions or est is None or not may_coschedule(est):
             return
         w = self.router.workers.get(wid)
         if w is None:
@@ -423,6 +402,7 @@ class Simulation:
             w.engine.submit(sreq, now)
         except (QueueFull, BadRequest) as e:
             self.router.finished(rec)  # the worker never held it: undo the dispatch
+            self._by_ticket.pop(rec, None)
             p.rec = None
             if pf_blocks:
                 w.engine.cancel_prefetch("p-" + p.rid)
@@ -471,21 +451,10 @@ class Simulation:
         self._done(p)
 
     def _hidden(self, p: _Pending, u: Usage) -> float | None:
-        if not u.prefetched_tokens or p.est is None or p.worker is None:
+        w = self.router.workers.get(p.worker) if p.worker is not None else None
+        if not u.prefetched_tokens or p.est is None or w is None:
             return None
-        plan = {t: n for t, n in p.est.prefetch_blocks.items() if n > 0 and t is not Tier.GPU}
-        total = sum(plan.values())
-        w = self.router.workers.get(p.worker)
-        if not total or w is None:
-            return None
-        cost = w.view.cost
-        blocks = u.prefetched_tokens / cost.block_size
-        s = 0.0
-        for t, n in plan.items():
-            link = cost.links.get(t)
-            if link is not None and link.read_Bps > 0:
-                s += blocks * (n / total) * cost.block_bytes / link.read_Bps
-        return s
+        return prefetch_hidden_s(p.est, w.view.cost, u.prefetched_tokens)
 
     # ------------------------------------------------------------------ the loop
 
@@ -591,70 +560,22 @@ class Simulation:
                 self.router.leave(wid)
                 self._polling.discard(wid)
 
-    def _gateway_stats(self) -> dict[str, Any]:
-        """The gateway queue's holds, and the prediction error measured from binding."""
-        h = sorted(self._holds)
-        out: dict[str, Any] = {
-            "gateway_held": sum(1 for x in h if x > 0.0),
-            "gateway_hold_p99_s": round(h[min(len(h) - 1, int(0.99 * len(h)))], 4) if h else 0.0,
-        }
-        rel: list[float] = []
-        for r in self._results:
-            if r.ok and r.ttft_s is not None and r.predicted_ttft_s is not None:
-                a = r.ttft_s - r.client_queue_s
-                if a > 0.0:
-                    rel.append((r.predicted_ttft_s - r.client_queue_s - a) / a)
-        if rel:
-            srt = sorted(rel)
-            ab = sorted(abs(x) for x in rel)
-            out["pred_err_bind_p50"] = round(ab[len(ab) // 2], 4)
-            out["pred_err_bind_p90"] = round(ab[min(len(ab) - 1, int(0.9 * len(ab)))], 4)
-            out["pred_bias_bind_p50"] = round(srt[len(srt) // 2], 4)
-        return out
-
     def _stats(self, steps: int, wall: float) -> dict[str, Any]:
-        engines = list(self.fleet.engines.values()) + self.removed
-        loaded = {"CPU": 0, "DISK": 0, "REMOTE": 0, "PEER": 0}
-        pf = {"prefetch_blocks_accepted": 0, "prefetch_blocks_landed": 0, "prefetch_transfers_dropped": 0}
-        disk_written = 0
-        rejected = 0
-        for e in engines:
-            for k, v in e.stats.loaded_blocks.items():
-                loaded[k] = loaded.get(k, 0) + v
-            for k in pf:
-                pf[k] += getattr(e.stats, k)
-            disk_written += e.kv.disk_bytes_written
-            rejected += e.stats.rejected_queue_full
-        remote_written = sum(r.bytes_written for r in self.fleet.remotes)
-        rc = self.router.counters
         out: dict[str, Any] = {
             "sim_events": steps,
             "sim_rate_req_per_wall_s": round(len(self._results) / wall, 1) if wall > 0 else None,
-            "events_applied": rc.events_applied,
-            "polls": rc.polls,
-            "prefetches_sent": rc.prefetches_sent,
-            "prefetch_blocks_sent": rc.prefetch_blocks_sent,
-            "prefetches_refused": rc.prefetches_refused,
-            "max_waiting_seen": rc.max_waiting_seen,
-            **pf,
-            **{f"loaded_blocks_{k}": v for k, v in loaded.items()},
-            "disk_bytes_written": disk_written,
-            "remote_bytes_written": remote_written,
-            "worker_429s": rejected,
+            **router_stats(self.router.counters),
+            **fleet_stats(list(self.fleet.engines.values()) + self.removed, self.fleet.remotes),
             **self.counters,
         }
         if not self.true_state:
             out["index_blocks"] = len(self.router.index)
         if self._gq is not None:
-            out.update(self._gateway_stats())
-        if self._dispatch_err:
-            errs = sorted(self._dispatch_err)
-            out["pred_err_dispatch_p50"] = round(errs[len(errs) // 2], 4)
-            out["pred_err_dispatch_p90"] = round(errs[min(len(errs) - 1, int(0.9 * len(errs)))], 4)
+            out.update(gateway_stats(self._holds, self._results))
+        out.update(error_stats("pred_err_dispatch", self._dispatch_err))
         cal = getattr(self.policy, "calibrator", None)
         snap = cal.snapshot() if cal is not None else {}
         if snap:
             scales = [v["prefill_scale"] for v in snap.values()]
             out["calibrated_prefill_scale_mean"] = round(sum(scales) / len(scales), 4)
         return out
-

@@ -24,11 +24,11 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .blockkeys import TraceKeyer
+from .blockkeys import KeyCache, TraceKeyer
 from .fleet import parse_tiers, tiers_label
 from .ideal import ideal_run
 from .results import Run
-from .simulate import KeyCache, SimSettings, Simulation
+from .simulate import SimSettings, Simulation
 from .summary import summarize
 from .tokens import TokenSynth
 from .trace import Trace

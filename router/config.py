@@ -262,6 +262,17 @@ class Config(Strict):
     pool: PoolConfig = Field(default_factory=PoolConfig)
     shutdown: ShutdownConfig = Field(default_factory=ShutdownConfig)
 
+    def _model_id(self, where: str, name: str | None, names: dict[str, str]) -> str:
+        """A worker's (or discovery entry's) model: the only one when unnamed, else the id
+        its name (id or served name) stands for."""
+        if name is None:
+            if len(self.models) != 1:
+                raise ValueError(f"{where}: required when several models are configured")
+            return self.models[0].id
+        if name not in names:
+            raise ValueError(f"{where}: unknown model {name!r}")
+        return names[name]
+
     @model_validator(mode="after")
     def _cross(self) -> Config:
         names: dict[str, str] = {}
@@ -275,24 +286,10 @@ class Config(Strict):
             if w.id in ids:
                 raise ValueError(f"workers[{i}].id: duplicate worker id {w.id!r}")
             ids.add(w.id)
-            if w.model is None:
-                if len(self.models) != 1:
-                    raise ValueError(f"workers[{i}].model: required when several models are configured")
-                w.model = self.models[0].id
-            elif w.model not in names:
-                raise ValueError(f"workers[{i}].model: unknown model {w.model!r}")
-            else:
-                w.model = names[w.model]
+            w.model = self._model_id(f"workers[{i}].model", w.model, names)
             # a vLLM worker without `events` is allowed: routed by load alone (no index entries)
         for i, d in enumerate(self.discovery):
-            if d.model is None:
-                if len(self.models) != 1:
-                    raise ValueError(f"discovery[{i}].model: required when several models are configured")
-                d.model = self.models[0].id
-            elif d.model not in names:
-                raise ValueError(f"discovery[{i}].model: unknown model {d.model!r}")
-            else:
-                d.model = names[d.model]
+            d.model = self._model_id(f"discovery[{i}].model", d.model, names)
         keys: dict[str, str] = {}
         tids = set()
         for t in self.tenants:

@@ -22,13 +22,12 @@ if TYPE_CHECKING:
 class ClientStream:
     """The client side: starts the response on the first write, joins parts per write."""
 
-    __slots__ = ("out", "headers", "started", "stream")
+    __slots__ = ("out", "headers", "started")
 
-    def __init__(self, out: Out, headers: list[tuple[bytes, bytes]], stream: bool) -> None:
+    def __init__(self, out: Out, headers: list[tuple[bytes, bytes]]) -> None:
         self.out = out
         self.headers = headers
         self.started = False
-        self.stream = stream
 
     async def flush(self, parts: list[bytes], more: bool = True) -> None:
         if not self.started:

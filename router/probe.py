@@ -29,19 +29,13 @@ class Probe:
         # Set by the gateway: plain-http workers are read over router/upstream.py's keep-alive
         # connections (a load poll every 0.1 s per worker costs a fraction of aiohttp's).
         self.upstream: upstream.UpstreamPool | None = None
-        self._keys: dict[str, tuple[str, int] | None] = {}
 
     async def fetch(self, w: Worker, path: str) -> bytes | None:
         """The body of a 200, else None with the reason in `w.last_error` (and whether
         nothing listens at all in `w.last_refused`)."""
         w.last_refused = False
-        if self.upstream is not None:
-            if w.url in self._keys:
-                key = self._keys[w.url]
-            else:
-                key = self._keys[w.url] = upstream.fast_url(w.url)
-            if key is not None:
-                return await self._fetch_lean(w, key, path)
+        if self.upstream is not None and w.fast_key is not None:
+            return await self._fetch_lean(w, w.fast_key, path)
         try:
             async with self.session.get(w.url + path, timeout=self.timeout) as r:
                 body = await r.read()

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import aiohttp
 import msgspec
@@ -38,7 +38,7 @@ from .responses import (
     usage_chunk,
 )
 from .schema import api_error_from_upstream, up_chunk_decoder
-from .upstream import Conn, UpstreamPool, fast_url, request_head
+from .upstream import Conn, UpstreamPool, request_head
 from .worker import Worker
 
 log = logging.getLogger("kvroute.relay")
@@ -57,10 +57,8 @@ class Relay:
         self.timeouts = timeouts
         self.timeout = aiohttp.ClientTimeout(total=timeouts.request_timeout_s, connect=timeouts.connect_timeout_s)
         # Plain-http workers are relayed through router/upstream.py (callbacks, no task
-        # wakeup per chunk); `fast`: False sends every request through aiohttp instead.
-        self.fast = True
+        # wakeup per chunk); the others through aiohttp.
         self.upstream = UpstreamPool(timeouts.connect_timeout_s)
-        self._fast_keys: dict[str, tuple[str, int] | None] = {}
 
     def close(self) -> None:
         self.upstream.close()
@@ -87,13 +85,8 @@ class Relay:
         Raises UpstreamError (retryable) when the worker fails before its first chunk."""
         w = a.worker
         a.t_dispatch = time.monotonic()
-        if self.fast:
-            if w.url in self._fast_keys:
-                key = self._fast_keys[w.url]
-            else:
-                key = self._fast_keys[w.url] = fast_url(w.url)
-            if key is not None:
-                return await self._run_fast(a, out, key)
+        if w.fast_key is not None:
+            return await self._run_fast(a, out, w.fast_key)
         url = w.completions_url
         if url is None:
             url = w.completions_url = URL(w.url + "/v1/completions")
@@ -154,11 +147,12 @@ class Relay:
                         await stream.flush(parts)
                         parts = []
             if err is not None:
-                if parts:
-                    await stream.flush(parts)
-                raise UpstreamError(f"worker {w.id} reported an error mid-stream: {err}", False, phase="stream")
+                await _raise_mid_stream(w.id, err, stream, parts)
         except UpstreamError as e:
             return await self._failed_mid_stream(a, e, res, stream)
+        return await self._succeeded(a, res, stream, parts)
+
+    async def _succeeded(self, a: Attempt, res: Result, stream: ClientStream, parts: list[bytes]) -> int:
         await self._complete(a, res, stream, parts)
         self.observer.done(a, res, True)
         return 200
@@ -269,14 +263,10 @@ class Relay:
             if err is None and not ex.done:
                 err, parts = await ex.stream(stream, render)
             if err is not None:
-                if parts:
-                    await stream.flush(parts)
-                raise UpstreamError(f"worker {w.id} reported an error mid-stream: {err}", False, phase="stream")
+                await _raise_mid_stream(w.id, err, stream, parts)
         except UpstreamError as e:
             return await self._failed_mid_stream(a, e, res, stream)
-        await self._complete(a, res, stream, parts)
-        self.observer.done(a, res, True)
-        return 200
+        return await self._succeeded(a, res, stream, parts)
 
     def _absorb(
         self, res: Result, batch: list[bytes], prep: Prepared, render: Render | None
@@ -322,7 +312,7 @@ async def _start_client(a: Attempt, out: Out, parts: list[bytes], more: bool) ->
     chunk) unless the whole answer is already here; a JSON body waits for the end."""
     prep = a.prep
     hdrs = (SSE_HEADERS if prep.stream else JSON_HEADERS) + a.route_headers()
-    stream = ClientStream(out, hdrs, prep.stream)
+    stream = ClientStream(out, hdrs)
     if prep.stream:
         if prep.chat:
             parts.insert(0, chat_first_chunk(prep.rid, prep.created, prep.model_name))
@@ -330,3 +320,11 @@ async def _start_client(a: Attempt, out: Out, parts: list[bytes], more: bool) ->
             await stream.flush(parts)
             parts = []
     return stream, parts
+
+
+async def _raise_mid_stream(worker_id: str, err: str, stream: ClientStream, parts: list[bytes]) -> NoReturn:
+    """A worker's error after the client's stream began: what was relayed is flushed, then
+    the stream fails (not retryable: the client has output)."""
+    if parts:
+        await stream.flush(parts)
+    raise UpstreamError(f"worker {worker_id} reported an error mid-stream: {err}", False, phase="stream")

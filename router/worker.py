@@ -22,6 +22,7 @@ from .model import ModelRuntime
 from .planner.fleet import FleetWorker
 from .planner.inflight import Ticket
 from .planner.types import WorkerView
+from .upstream import fast_url
 
 
 class State(StrEnum):
@@ -59,6 +60,11 @@ class Worker:
     registered_at: float = 0.0
     last_refused: bool = False  # the last probe found nothing listening
     completions_url: URL | None = None  # parsed once: aiohttp re-parses a str URL per request
+    # (host, port) when router/upstream.py's lean client can reach it (plain http), else None
+    fast_key: tuple[str, int] | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.fast_key = fast_url(self.cfg.url)
 
     @property
     def id(self) -> str:

@@ -70,9 +70,13 @@ class PolicyBase:
 
     name: ClassVar[str] = ""
 
-    def __init__(self, *, calibrate: bool = True) -> None:
+    def __init__(self, *, calibrate: bool = True, prefill_quantile: float | None = PREFILL_QUANTILE,
+                 ttft_offset: bool = TTFT_OFFSET) -> None:
         self.calibrate = check_bool("calibrate", calibrate)
-        self.calibrator = Calibrator(prefill_quantile=PREFILL_QUANTILE, ttft_offset=TTFT_OFFSET)
+        if prefill_quantile is not None:
+            check_number("prefill_quantile", prefill_quantile, lo=0.0, hi=1.0)
+        self.calibrator = Calibrator(prefill_quantile=prefill_quantile,
+                                     ttft_offset=check_bool("ttft_offset", ttft_offset))
         self._last_cost: dict[str, CostParams] = {}
 
     def observe(

@@ -73,6 +73,15 @@ def interference_seconds(
     return total
 
 
+COSCHEDULE_SLACK_S = 0.02  # how late a newcomer may start and still ride in their step (a prediction)
+
+
+def may_coschedule(e: Estimate) -> bool:
+    """Could this estimate's request ride in the step of requests waiting there? Only an
+    eligible one that loads no KV first (a loading request is passed over, not batched)."""
+    return e.eligible and e.t_load_total <= 0.0
+
+
 def coschedule_delay(
     starts: Sequence[tuple[float, int]],
     cost: CostParams,

@@ -20,8 +20,16 @@ from typing import ClassVar
 from kvindex.tiers import Tier
 
 from .base import PREFILL_QUANTILE, TTFT_OFFSET, PolicyBase, check_bool, check_int, check_number, clamp_retry
-from .calibration import Calibrator
-from .cost import INF, RequestContext, coschedule_seconds, estimate_worker, interference_seconds, ttft_lower_bound
+from .cost import (
+    COSCHEDULE_SLACK_S,
+    INF,
+    RequestContext,
+    coschedule_seconds,
+    estimate_worker,
+    interference_seconds,
+    may_coschedule,
+    ttft_lower_bound,
+)
 from .load import at_cap, outstanding_requests
 from .types import Decision, Estimate, RouteRequest, WorkerView
 
@@ -75,16 +83,11 @@ class KVCostPolicy(PolicyBase):
         interference_weight: float = 1.0,
         interference_slack_s: float = 0.05,
         coschedule_weight: float = 0.0,
-        coschedule_slack_s: float = 0.02,
+        coschedule_slack_s: float = COSCHEDULE_SLACK_S,
         prefill_quantile: float | None = PREFILL_QUANTILE,
         ttft_offset: bool = TTFT_OFFSET,
     ) -> None:
-        super().__init__(calibrate=calibrate)
-        if prefill_quantile is not None:
-            check_number("prefill_quantile", prefill_quantile, lo=0.0, hi=1.0)
-        self.ttft_offset = check_bool("ttft_offset", ttft_offset)
-        if prefill_quantile != PREFILL_QUANTILE or ttft_offset != TTFT_OFFSET:
-            self.calibrator = Calibrator(prefill_quantile=prefill_quantile, ttft_offset=ttft_offset)
+        super().__init__(calibrate=calibrate, prefill_quantile=prefill_quantile, ttft_offset=ttft_offset)
         self.coschedule_weight = check_number("coschedule_weight", coschedule_weight, lo=0.0, hi=100.0)
         self.coschedule_slack_s = check_number("coschedule_slack_s", coschedule_slack_s, lo=0.0, hi=10.0)
         self.interference_weight = check_number("interference_weight", interference_weight, lo=0.0, hi=100.0)
@@ -150,7 +153,7 @@ class KVCostPolicy(PolicyBase):
             e.t_interference = t
             e.score += self.interference_weight * t
         starts = w.inflight_starts
-        if starts and self.coschedule_weight > 0.0 and e.t_load_total <= 0.0:
+        if starts and self.coschedule_weight > 0.0 and may_coschedule(e):
             t = coschedule_seconds(starts, w.cost, e.t_queue, e.recompute_tokens, e.load_blocks * w.cost.block_size,
                                    w.running_requests, self.coschedule_slack_s, r.prefill_scale)
             e.t_coschedule = t

@@ -104,7 +104,7 @@ class EngineCore:
             self.tiers = KVTiers(cfg.tiers, pool=self.pool, blocks=self.blocks, namespace=self.namespace,
                                  lock=self.lock, wake=self.wake, on_loaded=self._loaded,
                                  prefill_cost=self.prefill_fit.predict,
-                                 prefill_samples=lambda: self.prefill_fit.samples, clock=clock)
+                                 prefill_samples=lambda: self.prefill_fit.samples)
             offload = self.tiers.offload
             if on_evict is not None:
                 user = on_evict

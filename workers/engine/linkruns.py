@@ -22,7 +22,6 @@ from .blockio import RECORDS_MEDIA_TYPE, BadMeta, decode_meta, read_records
 from .copier import Copier
 from .hostpool import Slot
 from .links import Transfer
-from .store.base import BlockStore
 from .store.record import RecordError
 from .tierstate import TierState
 
@@ -157,7 +156,7 @@ class LinkRuns:
             with st.lock:
                 st.stats.bad_meta += 1
             if tier in (Tier.DISK, Tier.REMOTE):
-                store: BlockStore | None = st.disk if tier is Tier.DISK else st.remote
+                store = st.store(tier)
                 if store is not None:
                     store.discard([key])
                 st.store_dropped(tier, [key])

@@ -39,7 +39,6 @@ class Load:
     seq: Sequence
     start: int
     sources: list[Tier | Prefetch]
-    t0: float
     ok: list[bool] = field(default_factory=list)
     absent: set[int] = field(default_factory=set)  # positions the source did not have (not a fault)
     pins: dict[int, int] = field(default_factory=dict)  # position -> prefetched pool block held for it
@@ -89,19 +88,16 @@ class Loads:
             k = seq.key(i)
             src: Tier | Prefetch | None = st.inflight.get(k)
             if src is None:
-                if host is not None and k in host.by_key:
-                    src = Tier.CPU
-                elif k in st.disk_keys:
-                    src = Tier.DISK
-                elif remote_ok:
-                    src = Tier.REMOTE
-                else:
+                src = st.below_tier(k)
+            if src is None:
+                if not remote_ok:
                     break
+                src = Tier.REMOTE
             srcs.append(src)
         cut = self._best_cut(seq, gpu_blocks, srcs) if srcs else 0
         if not cut:
             return None
-        load = Load(seq, gpu_blocks, srcs[:cut], st.clock())
+        load = Load(seq, gpu_blocks, srcs[:cut])
         if host is not None:  # pinned now: admitting the request makes room, which may evict CPU blocks
             for j, src in enumerate(load.sources):
                 if src is Tier.CPU:
@@ -319,7 +315,6 @@ class Loads:
         """The leading keys not on the device nor moving, each with the tier to raise it
         from (up to the first held nowhere), and the device blocks of the chain."""
         st = self.st
-        host = st.host
         plan: list[tuple[bytes, Tier]] = []
         on_gpu: list[int] = []
         for k in keys:
@@ -329,16 +324,14 @@ class Loads:
                 continue
             if k in st.inflight:
                 continue
-            if host is not None and k in host.by_key:
-                tier = Tier.CPU
-            elif k in st.disk_keys:
-                tier = Tier.DISK
-            elif remote_present is not None and k in remote_present and Tier.REMOTE in st.links:
-                tier = Tier.REMOTE
-            elif peer_held is not None and k in peer_held and Tier.PEER in st.links:
-                tier = Tier.PEER
-            else:
-                break
+            tier = st.below_tier(k)
+            if tier is None:
+                if remote_present is not None and k in remote_present and Tier.REMOTE in st.links:
+                    tier = Tier.REMOTE
+                elif peer_held is not None and k in peer_held and Tier.PEER in st.links:
+                    tier = Tier.PEER
+                else:
+                    break
             plan.append((k, tier))
         return plan, on_gpu
 

@@ -41,15 +41,14 @@ from .export import Export
 from .kvpool import KVPool
 from .linkruns import LinkRuns
 from .links import Link, LinkMeter
-from .loads import Load, Loads, Prefetch
+from .loads import Load, Loads
 from .offload import Offload
 from .sequence import Sequence
 from .store.record import HEADER_SIZE
-from .tierstate import Held, RemoteWrite, TierConfig, TierState, TierStats, Write, remote_namespace
+from .tierstate import TierConfig, TierState, Write
 from .writer import Writer
 
-__all__ = ["PRIORS", "Held", "KVTiers", "Load", "Prefetch", "RemoteWrite", "TierConfig", "TierStats",
-           "remote_namespace"]
+__all__ = ["KVTiers", "TierConfig"]
 
 # Until a link has moved anything, /load reports these (this 2-core CPU machine's orders
 # of magnitude; replaced by the link's own measurements after its first transfer).
@@ -76,9 +75,8 @@ class KVTiers(TierState):
         on_loaded: Callable[[Sequence, int, dict[Tier, int], int], None],
         prefill_cost: Callable[[int, int], float | None],
         prefill_samples: Callable[[], int] = lambda: 1 << 30,
-        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        super().__init__(cfg, pool=pool, blocks=blocks, namespace=namespace, lock=lock, wake=wake, clock=clock)
+        super().__init__(cfg, pool=pool, blocks=blocks, namespace=namespace, lock=lock, wake=wake)
         self.writer = Writer(self)
         self.offloader = Offload(self, self.writer)
         self.loads = Loads(self, on_loaded=on_loaded, prefill_cost=prefill_cost, prefill_samples=prefill_samples)

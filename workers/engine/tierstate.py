@@ -12,7 +12,6 @@ that each is written once.
 from __future__ import annotations
 
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -27,6 +26,7 @@ from .blocks import BlockManager
 from .hostpool import HostPool, Slot
 from .kvpool import KVPool
 from .links import Link
+from .store.base import BlockStore
 from .store.disk import DiskConfig, DiskStore
 
 if TYPE_CHECKING:
@@ -116,8 +116,7 @@ class TierState:
     """See the module doc. Built once by `KVTiers`; the parts keep a reference to it."""
 
     def __init__(self, cfg: TierConfig, *, pool: KVPool, blocks: BlockManager, namespace: Namespace,
-                 lock: threading.RLock, wake: threading.Condition,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 lock: threading.RLock, wake: threading.Condition) -> None:
         self.cfg = cfg
         self.pool = pool
         self.blocks = blocks
@@ -125,7 +124,6 @@ class TierState:
         self.block_bytes = pool.block_bytes
         self.lock = lock
         self.wake = wake
-        self.clock = clock
         self.on_change: Callable[[], None] | None = None  # set by the engine: events to publish
         self.cuda = pool.device.type == "cuda"
         self.stats = TierStats()
@@ -157,10 +155,19 @@ class TierState:
         """What we published as held in DISK or REMOTE."""
         return self.disk_keys if tier is Tier.DISK else self.remote_keys
 
+    def store(self, tier: Tier) -> BlockStore | None:
+        """The store of DISK or REMOTE."""
+        return self.disk if tier is Tier.DISK else self.remote
+
+    def below_tier(self, key: bytes) -> Tier | None:
+        """CPU or DISK, the faster first, when this worker holds the block there (under the lock)."""
+        if self.host is not None and key in self.host.by_key:
+            return Tier.CPU
+        return Tier.DISK if key in self.disk_keys else None
+
     def local(self, key: bytes) -> bool:
         """On this worker's GPU, CPU or DISK (under the lock)."""
-        return (key in self.blocks.by_key or (self.host is not None and key in self.host.by_key)
-                or key in self.disk_keys)
+        return key in self.blocks.by_key or self.below_tier(key) is not None
 
     def held(self, key: bytes) -> bool:
         """In some tier of this worker (under the lock): a block's parent must be, for its

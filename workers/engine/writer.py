@@ -20,7 +20,6 @@ from workers.sim.blockmeta import BlockMeta, stored_events
 
 from .blockio import block_bytes_of, encode_meta
 from .hostpool import Slot
-from .store.base import BlockStore
 from .tierstate import Held, TierState, Write
 
 log = logging.getLogger(__name__)
@@ -51,24 +50,26 @@ class Writer:
 
     # ------------------------------------------------------------------ policy (under the lock)
 
-    def dirty(self, s: Slot) -> bool:
-        """Must the block be written below before its CPU copy goes?"""
+    def _wants(self, s: Slot, tier: Tier) -> bool:
+        """Must the block still be written to `tier` (DISK; REMOTE when it is written as
+        blocks leave CPU) before its CPU copy goes?"""
         st = self.st
-        if st.disk is not None and s.key not in st.disk_keys and not s.disk_tried:
-            return True
+        if tier is Tier.DISK:
+            return st.disk is not None and s.key not in st.disk_keys and not s.disk_tried
         return (st.remote is not None and st.cfg.remote_write == "cpu-evict"
                 and s.key not in st.remote_keys and not s.remote_tried)
 
+    def dirty(self, s: Slot) -> bool:
+        """Must the block be written below before its CPU copy goes?"""
+        return self._wants(s, Tier.DISK) or self._wants(s, Tier.REMOTE)
+
     def _needed(self, s: Slot, *, queued_too: bool) -> list[Write]:
         """The writes a dirty slot still needs (`queued_too`: even those queued already), marked as under way."""
-        st = self.st
         jobs = []
-        if (st.disk is not None and s.key not in st.disk_keys and not s.disk_tried
-                and (queued_too or not s.writing_disk)):
+        if self._wants(s, Tier.DISK) and (queued_too or not s.writing_disk):
             s.writing_disk = True
             jobs.append(Write(s, Tier.DISK))
-        if (st.remote is not None and st.cfg.remote_write == "cpu-evict" and s.key not in st.remote_keys
-                and not s.remote_tried and (queued_too or not s.writing_remote)):
+        if self._wants(s, Tier.REMOTE) and (queued_too or not s.writing_remote):
             s.writing_remote = True
             jobs.append(Write(s, Tier.REMOTE))
         return jobs
@@ -184,7 +185,7 @@ class Writer:
     def write(self, w: Write) -> None:
         """One write or discard, outside the lock."""
         st = self.st
-        store: BlockStore | None = st.disk if w.tier is Tier.DISK else st.remote
+        store = st.store(w.tier)
         if w.slot is None:  # a purge's discard
             if store is not None:
                 store.discard(w.keys)

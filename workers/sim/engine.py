@@ -117,8 +117,8 @@ class SimEngine:
             tokens=req.token_ids or (),
         )
         if job.cacheable:
-            g = job.gpu_hint = self.kv.gpu_prefix(keys, job.cacheable)
-            job.cached_hint = g + self.kv.held_run(keys, g, job.cacheable)
+            job.gpu_hint = self.kv.gpu_prefix(keys, job.cacheable)
+            job.cached_hint = sum(1 for t in self.kv.match_tiers(keys[: job.cacheable]) if t is not None)
         self.sched.add(job)
         self.stats.submitted += 1
         self.stats.prompt_tokens += P

@@ -99,14 +99,6 @@ class TieredKV:
             i += 1
         return i
 
-    def held_run(self, keys: Sequence[bytes], start: int, limit: int) -> int:
-        """How many keys from `start` (up to `limit`) some tier holds, without a gap."""
-        tier_of = self.tier_of
-        i = start
-        while i < limit and tier_of(keys[i]) is not None:
-            i += 1
-        return i - start
-
     def evictable_among(self, keys: Sequence[bytes]) -> int:
         gpu = self.gpu
         return sum(1 for k in keys if gpu[k] == 0)
