@@ -431,6 +431,22 @@ def test_remote_down_or_slow_is_a_miss(lm: LoadedModel, tmp_path: Path, cores: l
 # ---------------------------------------------------------------------------------- prefetch
 
 
+def test_load_report_counts_blocks_held_below_as_loaded_not_computed(lm: LoadedModel, tmp_path: Path,
+                                                                    cores: list[EngineCore]) -> None:
+    """/load's `waiting_prefill_tokens` and the queue estimate leave out a waiting request's
+    leading blocks held in a lower tier at its arrival: they are loaded beside the compute
+    (docs/wire.md; the simulated worker counts them the same way)."""
+    core = make_core(lm, tmp_path)
+    cores.append(core)
+    warm(core)
+    to_cpu(core)
+    seq = core.new_sequence("w", IDS, GREEDY)
+    with core.lock:
+        core.add(seq)
+        rep = core.load_report()
+    assert rep.waiting_prefill_tokens == len(IDS) - 31 * BLOCK
+
+
 def test_prefetch_then_request_counts_prefetched_tokens(lm: LoadedModel, tmp_path: Path,
                                                         cores: list[EngineCore]) -> None:
     core, keys = on_disk_only(lm, tmp_path, cores)

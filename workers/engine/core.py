@@ -184,9 +184,21 @@ class EngineCore:
                 f"worker {self.cfg.worker_id} has {waiting} requests waiting (max_waiting)",
                 retry_after=max(1.0, math.ceil(self.estimate_queue_s())),
             )
-        seq.gpu_hint = self.blocks.gpu_prefix(seq.keys, seq.cacheable_blocks) * self.bs
+        seq.cached_hint = self._held_prefix(seq) * self.bs
         self.seqs[seq.request_id] = seq
         self.scheduler.add(seq)
+
+    def _held_prefix(self, seq: Sequence) -> int:
+        """Leading blocks of the request this worker holds now, on GPU or in a lower tier
+        (those load beside the compute: /load and the queue estimate do not count them as
+        prefill work)."""
+        cap = seq.cacheable_blocks
+        n = self.blocks.gpu_prefix(seq.keys, cap)
+        tiers = self.tiers
+        if tiers is not None:
+            while n < cap and tiers.held(seq.key(n)):
+                n += 1
+        return n
 
     def abort(self, request_id: str) -> bool:
         """Drop a request (the client went away). A waiting one goes at once; a running one
@@ -424,9 +436,9 @@ class EngineCore:
 
     def estimate_queue_s(self) -> float:
         """Wait before a request arriving now starts its prefill: the prefill of everything
-        queued or half-prefilled (each at its own context), plus one decode step per
+        queued (less what it loads) or half-prefilled (each at its own context), plus one decode step per
         budget-sized step while sequences decode alongside."""
-        pending = [(s.num_tokens - s.gpu_hint, s.gpu_hint) for s in self.scheduler.waiting]
+        pending = [(s.num_tokens - s.cached_hint, s.cached_hint) for s in self.scheduler.waiting]
         pending += [(s.num_uncomputed, s.num_computed) for s in self.scheduler.running if s.num_uncomputed > 1]
         pending += [self._after_load(s) for s in self.scheduler.loading]
         tokens = sum(n for n, _ in pending)
@@ -465,7 +477,7 @@ class EngineCore:
             worker_id=self.cfg.worker_id,
             ts=time.time(),
             waiting_requests=len(sched.waiting),
-            waiting_prefill_tokens=sum(s.num_tokens - s.gpu_hint for s in sched.waiting),
+            waiting_prefill_tokens=sum(s.num_tokens - s.cached_hint for s in sched.waiting),
             running_requests=len(sched.running) + len(sched.loading),
             running_prefill_tokens=(sum(s.num_uncomputed for s in sched.running if s.num_uncomputed > 1)
                                     + sum(self._after_load(s)[0] for s in sched.loading)),

@@ -103,7 +103,7 @@ class Sequence:
     num_computed: int = 0
     num_registered: int = 0  # leading blocks registered under their keys
     registrable: bool = True  # False once a block of its chain was purged under it
-    gpu_hint: int = 0  # prompt tokens found on GPU when it arrived (for /load)
+    cached_hint: int = 0  # prompt tokens of its leading blocks held in some tier when it arrived (for /load)
     aborted: bool = False
     finish_reason: str | None = None
     preemptions: int = 0
