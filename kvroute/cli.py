@@ -42,10 +42,17 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from router.server import serve
 
     cfg = _load(a.config)
-    if a.host:
-        cfg.listen.host = a.host
-    if a.port is not None:
-        cfg.listen.port = a.port
+
+    def overrides(c: Any) -> None:
+        """The command line over the file, at start and on every SIGHUP re-read."""
+        if a.host:
+            c.listen.host = a.host
+        if a.port is not None:
+            c.listen.port = a.port
+        if a.replicas is not None:  # a floor: --processes sets it, the file does not know it
+            c.routing.replicas = max(c.routing.replicas, a.replicas)
+
+    overrides(cfg)
     if a.processes < 1 or (a.replicas is not None and a.replicas < 1):
         print("kvroute serve: --processes and --replicas must be at least 1", file=sys.stderr)
         return 2
@@ -58,9 +65,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
             return 2
         setup_logging(cfg.observability.log_level, cfg.observability.log_format)
         return Supervisor(a.processes, Path(a.config), cfg.listen.host, cfg.listen.port).run()
-    if a.replicas is not None:
-        cfg.routing.replicas = max(cfg.routing.replicas, a.replicas)
-    return serve(cfg, config_path=a.config, reuse_port=a.reuse_port)
+    return serve(cfg, config_path=a.config, reuse_port=a.reuse_port, overrides=overrides)
 
 
 def cmd_up(a: argparse.Namespace) -> int:

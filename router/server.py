@@ -8,7 +8,7 @@ import math
 import signal
 import socket
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from types import FrameType
@@ -38,16 +38,19 @@ def uvicorn_config(app: GatewayAPI, cfg: Config, sock_port: int | None = None) -
     )
 
 
-def serve(cfg: Config, config_path: str | Path | None = None, reuse_port: bool = False) -> int:
+def serve(cfg: Config, config_path: str | Path | None = None, reuse_port: bool = False,
+          overrides: Callable[[Config], None] | None = None) -> int:
     """Run the gateway until SIGINT/SIGTERM: SIGTERM stops gracefully (router/config.py
     ShutdownConfig), SIGHUP re-reads `config_path` (its worker list applies now).
-    `reuse_port`: bind with SO_REUSEPORT, one of several processes on one port."""
+    `reuse_port`: bind with SO_REUSEPORT, one of several processes on one port.
+    `overrides`: the command line's changes to a config read from the file (`cfg` has them
+    already), applied again to every re-read one."""
     gw = Gateway(cfg)
     ucfg = uvicorn_config(GatewayAPI(gw), cfg)
     ucfg.timeout_graceful_shutdown = int(math.ceil(cfg.shutdown.drain_timeout_s))
     setup_logging(cfg.observability.log_level, cfg.observability.log_format,  # after uvicorn set up its own
                   cfg.observability.access_log)
-    server = GatewayServer(ucfg, gw, cfg.shutdown.grace_s, Path(config_path) if config_path else None)
+    server = GatewayServer(ucfg, gw, cfg.shutdown.grace_s, Path(config_path) if config_path else None, overrides)
     sockets = [listen_socket(cfg.listen.host, cfg.listen.port, reuse_port)] if reuse_port else None
     hup = signal.signal(signal.SIGHUP, server.handle_hup) if config_path else None
     try:
@@ -76,11 +79,13 @@ class GatewayServer(uvicorn.Server):
     """uvicorn with the gateway's signals. Handlers only set flags (they run between
     bytecodes of whatever was running); `on_tick`, every 0.1 s on the loop, acts on them."""
 
-    def __init__(self, config: uvicorn.Config, gw: Gateway, grace_s: float, config_path: Path | None) -> None:
+    def __init__(self, config: uvicorn.Config, gw: Gateway, grace_s: float, config_path: Path | None,
+                 overrides: Callable[[Config], None] | None = None) -> None:
         super().__init__(config)
         self.gw = gw
         self.grace_s = grace_s
         self.config_path = config_path
+        self.overrides = overrides
         self._stop_at: float | None = None
         self._hup = False
         self._announced = False
@@ -117,8 +122,8 @@ class GatewayServer(uvicorn.Server):
         except ConfigError as e:
             log.error("SIGHUP: config not reloaded, the running one stays: %s", e)
             return
-        # `--replicas` (set by `--processes`) is a floor the file does not know about
-        new.routing.replicas = max(new.routing.replicas, self.gw.cfg.routing.replicas)
+        if self.overrides is not None:  # --host, --port, --replicas: the file does not know them
+            self.overrides(new)
         diff = await self.gw.reload(new)
         log.info("SIGHUP: config reloaded from %s", self.config_path, extra={"kv": diff})
 

@@ -265,6 +265,28 @@ async def test_sighup_reloads_the_worker_list_and_logs_the_diff(tmp_path: Path) 
     assert restart and restart[0]["restart_needed"] == ["routing"]
 
 
+async def test_sighup_keeps_the_command_line_overrides(tmp_path: Path) -> None:
+    """`--port` on the command line beats the file's `listen.port`, on SIGHUP as at start:
+    a reload of an unchanged file reports no section needing a restart."""
+    from test_gateway_errors import DIGEST
+
+    a = FakeWorker("a", DIGEST)
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    async with serve_fake(a):
+        cfg = tmp_path / "gw.yaml"
+        _write_config(cfg, free_port(), [a])  # the file names another port
+        async with gateway_process(cfg, "--port", str(port)) as proc, aiohttp.ClientSession() as s:
+            await _until_ready(s, base, proc)
+            proc.send_signal(signal.SIGHUP)
+            await wait_until(lambda: any("config reloaded from" in ln for ln in proc.lines), 10.0,  # type: ignore[attr-defined]
+                             "the reload in the log")
+            proc.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(proc.wait(), 20.0) == 0
+    logs = _json_lines(proc.lines)  # type: ignore[attr-defined]
+    assert not [ln for ln in logs if ln.get("restart_needed")], proc.lines[-10:]  # type: ignore[attr-defined]
+
+
 async def test_serve_processes_runs_replicas_on_one_port(tmp_path: Path) -> None:
     from test_gateway_errors import DIGEST
 
