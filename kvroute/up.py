@@ -105,8 +105,13 @@ def _prepare_pdeathsig() -> None:
             _prctl = None
 
 
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
 def _die_with_parent() -> None:
-    """In the child, before exec: ask Linux to SIGTERM it when its parent dies."""
+    """In the child, before exec: take the stop signals again (the parent blocks them
+    while it spawns, `Child.spawn`) and ask Linux to SIGTERM it when its parent dies."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
     if _prctl is not None:
         _prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
@@ -122,12 +127,18 @@ class Child:
     _pump: threading.Thread | None = None
 
     @classmethod
-    def spawn(cls, name: str, cmd: list[str], env: dict[str, str] | None = None) -> Child:
+    def spawn(cls, name: str, cmd: list[str], into: list[Child], env: dict[str, str] | None = None) -> None:
+        """Start it and add it to `into`, with SIGINT/SIGTERM held back in between: a stop
+        arriving then would leave a running child that no list knows, so nothing stops it."""
         _prepare_pdeathsig()
-        proc = subprocess.Popen(cmd, cwd=str(REPO), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, bufsize=1, env=env,
-                                start_new_session=True, preexec_fn=_die_with_parent)
-        return cls(name, proc)
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+        try:
+            proc = subprocess.Popen(cmd, cwd=str(REPO), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True, bufsize=1, env=env,
+                                    start_new_session=True, preexec_fn=_die_with_parent)
+            into.append(cls(name, proc))
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
     def start_relay(self) -> None:
         """Relay the output (and read the ready lines) on a thread. Started only once every
@@ -233,7 +244,7 @@ def start_real(a: argparse.Namespace, n: int, ports: PortPlan, children: list[Ch
     first = len(children)
     try:
         for wid, cmd in real_worker_cmds(a, ports, state_dir):
-            children.append(Child.spawn(wid, cmd, env))
+            Child.spawn(wid, cmd, children, env)
     finally:  # after every fork; a failed spawn still relays the output of those that started
         for c in children[first:]:
             c.start_relay()
@@ -250,8 +261,8 @@ def start_sim(a: argparse.Namespace, n: int, ports: PortPlan, profile: str, toke
     if ports.events is not None:
         cmd += ["--events-base-port", str(ports.events[0])]
     print(f"kvroute up: starting {n} simulated workers ({profile})", file=sys.stderr, flush=True)
-    child = Child.spawn("sim-cluster", cmd)
-    children.append(child)
+    Child.spawn("sim-cluster", cmd, children)
+    child = children[-1]
     child.start_relay()
     wait_ready([child], a.timeout or SIM_TIMEOUT_S)
     return [(f"sim{i}", url) for i, url in enumerate(child.urls.values())]
