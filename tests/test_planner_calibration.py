@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
 from kvindex.tiers import Tier
 from router.planner.calibration import Calibrator
-from router.planner.cost import load_seconds, prefill_seconds
+from router.planner.cost import decode_ride_seconds, load_seconds, prefill_seconds
 from router.planner.types import CostParams, Link
 
 BASE = CostParams(
@@ -48,6 +49,21 @@ def test_prefill_speed_converges_on_noisy_observations():
     assert prefill_seconds(eff, 4000, 1000) == pytest.approx(prefill_seconds(BASE, 4000, 1000) * true_scale, rel=0.05)
     assert cal.coefficients("w0").prefill_samples == 150
     assert cal.factors("other") == (1.0, None)
+
+
+def test_decode_steps_carried_by_the_prefill_are_not_taken_for_slow_prefill():
+    # The measured prefill includes the decode steps of the worker's running requests; the
+    # scale is the prefill's own, so with those taken off it stays at the profile's 1.0.
+    rng = random.Random(2)
+    base = replace(BASE, decode_step_s=0.02, max_batched_tokens=2048)
+    cal, naive = Calibrator(), Calibrator()
+    for _ in range(100):
+        new, cached, decodes = rng.randrange(200, 8000), rng.randrange(0, 8000), rng.randrange(1, 64)
+        actual = prefill_seconds(base, new, cached) + decode_ride_seconds(base, new, decodes)
+        cal.observe("w0", base, None, actual, kv_prefill(new, cached, actual), decodes)
+        naive.observe("w0", base, None, actual, kv_prefill(new, cached, actual))
+    assert cal.factors("w0")[0] == pytest.approx(1.0, rel=0.02)
+    assert naive.factors("w0")[0] > 1.2
 
 
 def test_bandwidth_converges_per_tier():

@@ -12,6 +12,7 @@ from kvindex.tiers import Tier
 from router.planner.cost import (
     RequestContext,
     best_cut,
+    decode_ride_seconds,
     estimate_all,
     estimate_worker,
     interference_seconds,
@@ -19,6 +20,7 @@ from router.planner.cost import (
     prefill_seconds,
     split_by_tier,
     ttft_at,
+    ttft_lower_bound,
     usable_blocks,
 )
 from router.planner.load import outstanding_requests, pending_prefill_tokens, queue_seconds, waiting_requests
@@ -104,6 +106,23 @@ def test_estimate_gpu_and_cpu_hand_computed():
     assert e.t_load_total == pytest.approx(0.003)
     assert e.t_prefill == pytest.approx(0.051)
     assert e.t_ttft == pytest.approx(0.054)
+
+
+def test_prefill_steps_carry_the_running_decodes():
+    # 250 tokens to recompute, budget 100 per step less 20 decodes: ceil(250 / 80) = 4 steps,
+    # each carrying a 5 ms decode step; an idle worker's prefill carries none.
+    c = cost(decode_step_s=0.005, max_batched_tokens=100)
+    assert decode_ride_seconds(c, 250, 20) == pytest.approx(0.020)
+    assert decode_ride_seconds(c, 250, 0) == 0.0
+    assert decode_ride_seconds(c, 0, 20) == 0.0
+    assert decode_ride_seconds(cost(max_batched_tokens=100), 250, 20) == 0.0  # no decode speed reported
+    r = req(251, {})
+    idle = one(WorkerView("a", c), r)
+    busy = one(WorkerView("a", c, running_requests=20), r)
+    assert busy.t_prefill == pytest.approx(idle.t_prefill + 0.020)
+    assert busy.t_ttft == pytest.approx(idle.t_ttft + 0.020)
+    assert ttft_lower_bound(RequestContext.build(r, [WorkerView("a", c, running_requests=20)]),
+                            WorkerView("a", c, running_requests=20)) <= busy.t_ttft
 
 
 def test_slow_tier_is_recomputed_instead():

@@ -77,13 +77,16 @@ class PolicyBase:
             check_number("prefill_quantile", prefill_quantile, lo=0.0, hi=1.0)
         self.calibrator = Calibrator(prefill_quantile=prefill_quantile,
                                      ttft_offset=check_bool("ttft_offset", ttft_offset))
-        self._last_cost: dict[str, CostParams] = {}
+        # Per worker: the CostParams its last prediction used and its running requests then
+        # (the decodes a prefill's steps carried), for calibrating against them.
+        self._last_cost: dict[str, tuple[CostParams, int]] = {}
 
     def observe(
         self, worker_id: str, predicted_ttft: float | None, actual_ttft: float, kv: Mapping[str, object] | None
     ) -> None:
         """Feed the calibrator with what the worker reported (usage.kv) after its first token."""
-        self.calibrator.observe(worker_id, self._last_cost.get(worker_id), predicted_ttft, actual_ttft, kv)
+        base, decodes = self._last_cost.get(worker_id, (None, 0))
+        self.calibrator.observe(worker_id, base, predicted_ttft, actual_ttft, kv, decodes)
 
     def scales(self, worker_id: str) -> tuple[float, dict[Tier, float] | None]:
         """This worker's calibration (prefill scale, link scales); neutral when off."""
@@ -93,7 +96,7 @@ class PolicyBase:
 
     def _remember(self, w: WorkerView) -> None:
         """Keep the CostParams a prediction for `w` used, for calibrating against it."""
-        self._last_cost[w.worker_id] = w.cost
+        self._last_cost[w.worker_id] = (w.cost, w.running_requests)
         self._bound_last()
 
     def _bound_last(self) -> None:

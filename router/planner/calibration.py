@@ -20,7 +20,7 @@ from typing import Any
 
 from kvindex.tiers import Tier
 
-from .cost import load_seconds, prefill_seconds
+from .cost import decode_ride_seconds, load_seconds, prefill_seconds
 from .types import CostParams, Link
 
 _TIER_BY_NAME = {t.name: t for t in Tier}
@@ -161,8 +161,11 @@ class Calibrator:
         predicted_ttft: float | None,
         actual_ttft: float,
         kv: Mapping[str, object] | None,
+        decodes: int = 0,
     ) -> None:
-        """One finished prefill. `base`: the CostParams the prediction used (None: errors only)."""
+        """One finished prefill. `base`: the CostParams the prediction used (None: errors only);
+        `decodes`: the worker's running requests then, whose decode steps the prefill's steps
+        carried (taken off the measured prefill: the scale is the prefill's own)."""
         if predicted_ttft is not None and math.isfinite(predicted_ttft) and math.isfinite(actual_ttft):
             if actual_ttft >= 0.0:
                 err = actual_ttft - predicted_ttft
@@ -199,8 +202,9 @@ class Calibrator:
             and base.prefill_tokens_per_s > 0.0
         ):
             pred = prefill_seconds(base, int(recomputed), int(sum(loaded.values())))
-            if pred > 0.0:
-                ratio = prefill_ms / 1000.0 / pred
+            own = prefill_ms / 1000.0 - decode_ride_seconds(base, int(recomputed), decodes)
+            if pred > 0.0 and own > 0.0:
+                ratio = own / pred
                 if self.prefill_quantile is not None:
                     ok = self._quantile_update(co, ratio)
                 else:

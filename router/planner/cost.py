@@ -39,6 +39,18 @@ def prefill_seconds(cost: CostParams, new_tokens: int, cached_tokens: int, scale
     return t * scale
 
 
+def decode_ride_seconds(cost: CostParams, prefill_tokens: int, decodes: int) -> float:
+    """Decode time the steps of a prefill carry: each step of a chunked prefill also runs
+    the worker's `decodes` sequences (one token each, from the same token budget), so a
+    prefill spanning `s` steps on a busy worker takes `s` decode steps longer than on an
+    idle one. `decode_step_s` is the step time the worker last reported for its batch."""
+    if decodes <= 0 or prefill_tokens <= 0 or cost.decode_step_s <= 0.0:
+        return 0.0
+    per_step = cost.max_batched_tokens - decodes
+    steps = -(-prefill_tokens // per_step) if per_step > 0 else prefill_tokens
+    return steps * cost.decode_step_s
+
+
 def interference_seconds(
     loads: Sequence[tuple[float, float]],
     queue_s: float,
@@ -438,8 +450,9 @@ def estimate_worker(
         crit = t_load - q if t_load > q else 0.0
     else:
         crit = t_load
-    return Estimate(wid, matched, k, by_tier, pre, N - k * B, q, crit, t_load, cut.t_prefill, cut.t_ttft, True, note,
-                    peer_src)
+    ride = decode_ride_seconds(c, N - k * B, w.running_requests)
+    return Estimate(wid, matched, k, by_tier, pre, N - k * B, q, crit, t_load, cut.t_prefill + ride, cut.t_ttft + ride,
+                    True, note, peer_src)
 
 
 def ttft_lower_bound(
