@@ -170,8 +170,8 @@ def _loadgen_main(spec_json: str, out: str) -> int:
 # ------------------------------------------------------------------------------ processes
 
 
-def _tree_cpu_s(pid: int) -> float:
-    """utime + stime (+ reaped children's) of `pid` and every live descendant."""
+def _tree_cpu_s(pid: int) -> tuple[float, float]:
+    """(utime + stime, stime), reaped children's included, of `pid` and every live descendant."""
     tick = os.sysconf("SC_CLK_TCK")
     kids: dict[int, list[int]] = {}
     stats: dict[int, list[str]] = {}
@@ -184,15 +184,16 @@ def _tree_cpu_s(pid: int) -> float:
             continue
         stats[int(d)] = f
         kids.setdefault(int(f[1]), []).append(int(d))
-    total, todo = 0, [pid]
+    total, system, todo = 0, 0, [pid]
     while todo:
         p = todo.pop()
         f = stats.get(p)
         if f is None:
             continue
         total += int(f[11]) + int(f[12]) + int(f[13]) + int(f[14])
+        system += int(f[12]) + int(f[14])
         todo.extend(kids.get(p, []))
-    return total / tick
+    return total / tick, system / tick
 
 
 @dataclass
@@ -333,7 +334,7 @@ async def _ready(t: Target, timeout: float) -> bool:
 
 def _drive(t: Target, workers: list[str], spec: dict[str, Any]) -> dict[str, Any]:
     spec = {**spec, "urls": workers if t.proc is None else [t.url]}
-    cpu0 = _tree_cpu_s(t.proc.pid) if t.proc is not None else 0.0
+    cpu0 = _tree_cpu_s(t.proc.pid) if t.proc is not None else (0.0, 0.0)
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         r = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--loadgen", json.dumps(spec), f.name],
                            cwd=ROOT, capture_output=True, text=True,
@@ -341,7 +342,11 @@ def _drive(t: Target, workers: list[str], spec: dict[str, Any]) -> dict[str, Any
         if r.returncode != 0:
             raise SystemExit(f"load generator failed:\n{r.stderr[-3000:]}")
         res: dict[str, Any] = json.loads(Path(f.name).read_text())
-    res["cpu_us"] = ((_tree_cpu_s(t.proc.pid) - cpu0) / max(1, res["n"]) * 1e6) if t.proc is not None else None
+    res["cpu_us"] = res["sys_share"] = None
+    if t.proc is not None:
+        cpu1 = _tree_cpu_s(t.proc.pid)
+        res["cpu_us"] = (cpu1[0] - cpu0[0]) / max(1, res["n"]) * 1e6
+        res["sys_share"] = (cpu1[1] - cpu0[1]) / max(1e-9, cpu1[0] - cpu0[0])
     return res
 
 
@@ -355,6 +360,7 @@ def _summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "cpu_us": statistics.median(cpu) if cpu else None, "cpu_min": min(cpu) if cpu else None,
         "cpu_max": max(cpu) if cpu else None,
+        "sys_share": statistics.median(r["sys_share"] for r in rounds) if cpu else None,
         "p50": statistics.median(r["p50"] * 1000 for r in rounds),
         "p99": statistics.median(r["p99"] * 1000 for r in rounds),
         "errors": sum(sum(r["errors"].values()) for r in rounds),
@@ -372,12 +378,13 @@ def _table(targets: list[Target], mt: int, rate: float, seconds: float, rounds: 
     print(f"\n== max_tokens {mt}: {rate:g} streaming chat req/s for {seconds:g} s, {rounds} interleaved rounds "
           f"(medians; CPU min–max over rounds)")
     print(f"{'router':34s} {'CPU µs/req':>11s} {'(min–max)':>14s} {'TTFT p50':>9s} {'p99':>8s} {'+p50':>7s} "
-          f"{'errors':>7s} {'offered/s':>10s} {'send lag p99':>13s}")
+          f"{'kernel':>7s} {'errors':>7s} {'offered/s':>10s} {'send lag p99':>13s}")
     for name, s in sums.items():
         cpu = f"{s['cpu_us']:,.0f}" if s["cpu_us"] is not None else "–"
         rng = f"{s['cpu_min']:,.0f}–{s['cpu_max']:,.0f}" if s["cpu_us"] is not None else ""
         add = f"{s['p50'] - d['p50']:+.1f}" if d else ""
-        print(f"{name:34s} {cpu:>11s} {rng:>14s} {s['p50']:9.1f} {s['p99']:8.1f} {add:>7s} {s['errors']:7d} "
+        ker = f"{100 * s['sys_share']:.0f}%" if s["sys_share"] is not None else "–"
+        print(f"{name:34s} {cpu:>11s} {rng:>14s} {s['p50']:9.1f} {s['p99']:8.1f} {add:>7s} {ker:>7s} {s['errors']:7d} "
               f"{s['offered']:10.1f} {s['lag_p99_ms']:10.1f} ms")
         if s["errors"]:
             print(f"{'':34s} errors: {s['error_kinds']}")
