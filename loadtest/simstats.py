@@ -15,19 +15,16 @@ from workers.sim import SimEngine
 
 from .results import RequestResult
 from .router_model import RouterCounters
-
-
-def _at(srt: Sequence[float], q: float) -> float:
-    """The value at rank `q` of a sorted, non-empty list (no interpolation)."""
-    return srt[min(len(srt) - 1, int(q * len(srt)))]
+from .summary import pct
 
 
 def error_stats(prefix: str, errs: Iterable[float]) -> dict[str, float]:
-    """p50 and p90 of relative prediction errors, as `<prefix>_p50` / `_p90`; {} when none."""
-    srt = sorted(errs)
-    if not srt:
+    """p50 and p90 of relative prediction errors, as `<prefix>_p50` / `_p90`; {} when none.
+    Percentiles as every other column of the reports (summary.pct)."""
+    xs = list(errs)
+    if not xs:
         return {}
-    return {f"{prefix}_p50": round(_at(srt, 0.5), 4), f"{prefix}_p90": round(_at(srt, 0.9), 4)}
+    return {f"{prefix}_p50": round(pct(xs, 50), 4), f"{prefix}_p90": round(pct(xs, 90), 4)}
 
 
 def gateway_stats(holds: Sequence[float], results: Iterable[RequestResult]) -> dict[str, Any]:
@@ -36,7 +33,7 @@ def gateway_stats(holds: Sequence[float], results: Iterable[RequestResult]) -> d
     h = sorted(holds)
     out: dict[str, Any] = {
         "gateway_held": sum(1 for x in h if x > 0.0),
-        "gateway_hold_p99_s": round(_at(h, 0.99), 4) if h else 0.0,
+        "gateway_hold_p99_s": round(pct(h, 99), 4) if h else 0.0,
     }
     rel: list[float] = []
     for r in results:
@@ -46,7 +43,7 @@ def gateway_stats(holds: Sequence[float], results: Iterable[RequestResult]) -> d
                 rel.append((r.predicted_ttft_s - r.client_queue_s - a) / a)
     if rel:
         out.update(error_stats("pred_err_bind", (abs(x) for x in rel)))
-        out["pred_bias_bind_p50"] = round(_at(sorted(rel), 0.5), 4)
+        out["pred_bias_bind_p50"] = round(pct(rel, 50), 4)
     return out
 
 
