@@ -123,6 +123,9 @@ def test_prefill_steps_carry_the_running_decodes():
     assert busy.t_ttft == pytest.approx(idle.t_ttft + 0.020)
     assert ttft_lower_bound(RequestContext.build(r, [WorkerView("a", c, running_requests=20)]),
                             WorkerView("a", c, running_requests=20)) <= busy.t_ttft
+    # The report was taken while 20 ran; the router has seen all but 3 of its own finish since.
+    stale = WorkerView("a", c, running_requests=20, inflight_requests=3, inflight_since_report_requests=0)
+    assert one(stale, r).t_prefill == pytest.approx(idle.t_prefill + decode_ride_seconds(c, 251, 3))
 
 
 def test_slow_tier_is_recomputed_instead():

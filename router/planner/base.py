@@ -18,7 +18,7 @@ from typing import ClassVar
 from kvindex.tiers import Tier
 
 from .calibration import Calibrator
-from .cost import RequestContext, estimate_worker
+from .cost import RequestContext, estimate_worker, running_decodes
 from .load import at_cap, queue_seconds
 from .types import CostParams, Decision, RouteRequest, WorkerView
 
@@ -96,7 +96,7 @@ class PolicyBase:
 
     def _remember(self, w: WorkerView) -> None:
         """Keep the CostParams a prediction for `w` used, for calibrating against it."""
-        self._last_cost[w.worker_id] = (w.cost, w.running_requests)
+        self._last_cost[w.worker_id] = (w.cost, running_decodes(w))
         self._bound_last()
 
     def _bound_last(self) -> None:

@@ -51,6 +51,16 @@ def decode_ride_seconds(cost: CostParams, prefill_tokens: int, decodes: int) -> 
     return steps * cost.decode_step_s
 
 
+def running_decodes(w: WorkerView) -> int:
+    """The worker's running requests as of its report, less those the router has seen
+    finish since (when its ledger is in use, its own in-flight count bounds them): a
+    report taken while a request ran must not price decode steps after it ended."""
+    n = w.running_requests
+    if w.inflight_since_report_requests is not None and w.inflight_requests < n:
+        return w.inflight_requests
+    return n
+
+
 def interference_seconds(
     loads: Sequence[tuple[float, float]],
     queue_s: float,
@@ -450,7 +460,7 @@ def estimate_worker(
         crit = t_load - q if t_load > q else 0.0
     else:
         crit = t_load
-    ride = decode_ride_seconds(c, N - k * B, w.running_requests)
+    ride = decode_ride_seconds(c, N - k * B, running_decodes(w))
     return Estimate(wid, matched, k, by_tier, pre, N - k * B, q, crit, t_load, cut.t_prefill + ride, cut.t_ttft + ride,
                     True, note, peer_src)
 

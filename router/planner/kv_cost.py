@@ -28,6 +28,7 @@ from .cost import (
     estimate_worker,
     interference_seconds,
     may_coschedule,
+    running_decodes,
     ttft_lower_bound,
 )
 from .load import at_cap, outstanding_requests
@@ -169,7 +170,7 @@ class KVCostPolicy(PolicyBase):
         closed: list[Estimate] = []
         for w in workers:
             ps, ls = coef(w.worker_id) if coef else (1.0, None)
-            self._last_cost[w.worker_id] = (w.cost, w.running_requests)
+            self._last_cost[w.worker_id] = (w.cost, running_decodes(w))
             r = _Row(0.0, w, outstanding_requests(w), ps, ls,
                      self.calibrator.offset(w.worker_id) if coef else 0.0)
             r.bound = ttft_lower_bound(ctx, w, self.prefetch, self.peer_pull, self.exact_queue, ps)
