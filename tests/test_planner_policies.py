@@ -305,6 +305,30 @@ def test_idle_worker_beats_long_queue_when_recompute_is_cheaper():
     assert p.choose(r, ws).worker_id == "w0"
 
 
+def test_saturated_fleet_keeps_a_prompt_where_its_prefix_is_held():
+    """When no worker could start within `saturation_queue_s`, a worker within the band
+    of the best score that holds more of the prompt (GPU, or its own CPU/DISK) wins:
+    queue estimates of many seconds are too rough to move a conversation for."""
+    ws = fleet(3)
+    ws[0].est_queue_s, ws[1].est_queue_s, ws[2].est_queue_s = 10.0, 9.0, 12.5
+    r = request(8192, {"w0": pm("w0", (Tier.GPU, 400)), "w2": pm("w2", (Tier.GPU, 500))})
+    d = make_policy("kv_cost").choose(r, ws)  # w1: 9 s + ~0.2 s of prefill is the argmin
+    assert (d.worker_id, d.reason) == ("w0", "saturation_prefix")
+    assert make_policy("kv_cost", saturation_band=None).choose(r, ws).worker_id == "w1"
+    # w2 holds more but is past the band (12.5 s > 1.3 x the best score)
+    assert make_policy("kv_cost", saturation_band=0.5).choose(r, ws).worker_id == "w2"
+    # the same spread a hundred times shorter is no saturation: the plain argmin
+    for w in ws:
+        w.est_queue_s /= 100
+    assert make_policy("kv_cost").choose(r, ws).reason == "min_ttft"
+    # own CPU copies count only with saturation_local_tiers
+    ws = fleet(2)
+    ws[0].est_queue_s, ws[1].est_queue_s = 10.0, 9.0
+    r = request(8192, {"w0": pm("w0", (Tier.CPU, 400))})
+    assert make_policy("kv_cost").choose(r, ws).worker_id == "w0"
+    assert make_policy("kv_cost", saturation_local_tiers=False).choose(r, ws).worker_id == "w1"
+
+
 def test_prefetch_planned_for_cpu_and_disk_blocks_only_where_supported():
     p = make_policy("kv_cost")
     r = request(8192, {"w0": pm("w0", (Tier.GPU, 100), (Tier.CPU, 200), (Tier.DISK, 200))})

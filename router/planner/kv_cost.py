@@ -7,8 +7,8 @@ for the step this one would share) wins, near-ties going to the less loaded work
 worker can serve in time is shed. Workers are evaluated in the order of a cheap lower
 bound and pruning stops when none left could win, tie or be the retry target, so a
 decision over 64 workers stays well under a millisecond and equals the full
-evaluation. Reasons (fixed labels): min_ttft, tie_less_load, slo_over_balance,
-shed_slo, shed_capped, no_workers. Details: docs/planner.md.
+evaluation. Reasons (fixed labels): min_ttft, tie_less_load, saturation_prefix,
+slo_over_balance, shed_slo, shed_capped, no_workers. Details: docs/planner.md.
 """
 from __future__ import annotations
 
@@ -87,8 +87,22 @@ class KVCostPolicy(PolicyBase):
         coschedule_slack_s: float = COSCHEDULE_SLACK_S,
         prefill_quantile: float | None = PREFILL_QUANTILE,
         ttft_offset: bool = TTFT_OFFSET,
+        saturation_band: float | None = 0.3,
+        saturation_abs_s: float = 0.0,
+        saturation_queue_s: float = 2.0,
+        saturation_local_tiers: bool = True,
     ) -> None:
         super().__init__(calibrate=calibrate, prefill_quantile=prefill_quantile, ttft_offset=ttft_offset)
+        # Saturation stickiness (docs/planner.md, "Saturation"): when no open worker could
+        # give a first token within saturation_queue_s, scores within saturation_band (relative) +
+        # saturation_abs_s of the best count as equal and the worker holding the most of the
+        # prefix on GPU (with saturation_local_tiers: on GPU, CPU or DISK of its own) wins.
+        # None: off (the plain argmin).
+        self.saturation_band = None if saturation_band is None else check_number(
+            "saturation_band", saturation_band, lo=0.0, hi=10.0)
+        self.saturation_abs_s = check_number("saturation_abs_s", saturation_abs_s, lo=0.0, hi=100.0)
+        self.saturation_queue_s = check_number("saturation_queue_s", saturation_queue_s, lo=0.0)
+        self.saturation_local_tiers = check_bool("saturation_local_tiers", saturation_local_tiers)
         self.coschedule_weight = check_number("coschedule_weight", coschedule_weight, lo=0.0, hi=100.0)
         self.coschedule_slack_s = check_number("coschedule_slack_s", coschedule_slack_s, lo=0.0, hi=10.0)
         self.interference_weight = check_number("interference_weight", interference_weight, lo=0.0, hi=100.0)
@@ -114,7 +128,11 @@ class KVCostPolicy(PolicyBase):
             d.estimates = closed
             return d
         split = self._balance(rows)
-        pool, n_eval = self._evaluate_pool(ctx, split.pool)
+        # Saturated: no open worker could give the first token within saturation_queue_s
+        # (the pool is in bound order; the held workers are busier still).
+        band = self.saturation_band if self.saturation_band is not None \
+            and split.pool[0].bound >= self.saturation_queue_s else None
+        pool, n_eval = self._evaluate_pool(ctx, split.pool, band)
         best = self._best(pool)
         held = self._evaluate_held(ctx, split, best)
         estimates = pool + held + closed
@@ -131,6 +149,9 @@ class KVCostPolicy(PolicyBase):
         else:
             chosen = self._tie_break(pool, best)
             reason = "min_ttft" if chosen is best else "tie_less_load"
+            sticky = self._sticky(pool, best, band) if band is not None else None
+            if sticky is not None and sticky is not chosen:
+                chosen, reason = sticky, "saturation_prefix"
         return self._decision(chosen, reason, estimates, self._ranked(chosen, pool, split, n_eval, held))
 
     # ------------------------------------------------------------------ steps
@@ -201,10 +222,14 @@ class KVCostPolicy(PolicyBase):
         split.held.sort(key=lambda r: r.bound)
         return split
 
-    def _evaluate_pool(self, ctx: RequestContext, rows: list[_Row]) -> tuple[list[Estimate], int]:
+    def _evaluate_pool(self, ctx: RequestContext, rows: list[_Row], band: float | None = None
+                       ) -> tuple[list[Estimate], int]:
         """Full estimates in bound order, as far as a worker could still win, tie, be the
-        retry target or meet the SLO (the pruning of the module doc)."""
+        retry target, meet the SLO or fall in the saturation `band` (the pruning of the
+        module doc)."""
         margin, tie_abs = 1.0 + self.tie_margin, self.tie_abs_s
+        if band is not None:
+            margin, tie_abs = max(margin, 1.0 + band), max(tie_abs, self.saturation_abs_s)
         slo = self.max_ttft_s
         # With an SLO, a worker whose own TTFT meets it must be found even when a
         # better-scored one (interference) misses it: keep evaluating while none meets it.
@@ -252,6 +277,31 @@ class KVCostPolicy(PolicyBase):
             held.append(e)
             best_held = min(best_held, _by_score(e))
         return held
+
+    def _held(self, e: Estimate) -> int:
+        """Leading blocks of the prompt this worker holds itself (not what it would pull)."""
+        m = e.matched_blocks
+        n = m.get(Tier.GPU, 0)
+        if self.saturation_local_tiers:
+            n += m.get(Tier.CPU, 0) + m.get(Tier.DISK, 0)
+        return n
+
+    def _sticky(self, pool: list[Estimate], best: Estimate, band: float) -> Estimate | None:
+        """In saturation, the worker within the band that holds the most of the prompt;
+        None when none holds more than the best. A follow-up then stays where its
+        conversation's KV already sits in GPU memory (shared with the turn still decoding
+        there) instead of taking fresh blocks elsewhere on a queue estimate that is
+        seconds off anyway (docs/planner.md, "Saturation")."""
+        bound = _by_score(best) * (1.0 + band) + self.saturation_abs_s
+        slo = self.max_ttft_s
+        pick, top = None, self._held(best)
+        for e in pool:
+            if _by_score(e) > bound or (slo is not None and e.t_ttft > slo):
+                continue
+            h = self._held(e)
+            if h > top or (h == top and pick is not None and _by_score(e) < _by_score(pick)):
+                pick, top = e, h
+        return pick
 
     def _tie_break(self, pool: list[Estimate], best: Estimate) -> Estimate:
         """Within the tie window of the best score: fewest outstanding, then shortest queue."""
