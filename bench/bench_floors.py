@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import bench_router_cpu as rc  # noqa: E402
 
 from loadtest.ports import free_port  # noqa: E402
+from router.asgi import read_body  # noqa: E402
 
 _CHUNK = (b'data: {"id":"x","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
           b'"delta":{"content":"tok "},"finish_reason":null}]}\n\n')
@@ -136,13 +137,7 @@ async def _trivial_asgi(scope: dict[str, Any], receive: Any, send: Any) -> None:
     """The same answer as an ASGI app."""
     if scope["type"] != "http":
         return
-    body = b""
-    while True:
-        m = await receive()
-        body += m.get("body", b"")
-        if not m.get("more_body"):
-            break
-    json.loads(body)
+    json.loads(await read_body(receive, 1 << 20, None))
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
     for _ in range(_EVENTS):
         await asyncio.sleep(_GAP_S)
