@@ -25,11 +25,14 @@ from .worker import State, Worker
 _enc = msgspec.json.Encoder()
 
 
-def explain_dict(prep: Prepared, policy_name: str, d: Decision, rr: RouteRequest) -> dict[str, Any]:
-    """`POST /admin/route/explain`: the decision and every worker's cost breakdown."""
+def explain_dict(prep: Prepared, policy_name: str, d: Decision, rr: RouteRequest,
+                 params: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`POST /admin/route/explain`: the decision, every worker's cost breakdown, and the
+    policy's parameters in effect (its defaults with the config's `routing.params`)."""
     return {
         "model": prep.model.id,
         "policy": policy_name,
+        "policy_params": params or {},
         "prompt_tokens": len(prep.ids),
         "full_blocks": len(prep.plan.digests),
         "block_size": prep.model.block_size,

@@ -66,6 +66,7 @@ class Gateway:
             params.setdefault("max_ttft_s", cfg.routing.max_ttft_s)
         self.policy = make_policy(cfg.routing.policy, **params)
         self.policy_name = cfg.routing.policy
+        self.policy_params = {**policy_params(cfg.routing.policy), **params}  # in effect: defaults + config
         self.tokenization = Tokenization()
         self.preparer = Preparer(cfg.limits, self.models, self.tenancy, self.tokenization, self.metrics)
         self.body_budget = ByteBudget(cfg.limits.max_inflight_body_bytes)
@@ -269,7 +270,7 @@ class Gateway:
         workers = self._candidates(prep)
         rr = self._route_request(prep, workers)
         d = explain_decision(self.policy, rr, [w.view for w in workers])
-        return admin.explain_dict(prep, self.policy_name, d, rr)
+        return admin.explain_dict(prep, self.policy_name, d, rr, self.policy_params)
 
     # ------------------------------------------------------------------ dispatch
 

@@ -37,6 +37,16 @@ async def _explain(url: str, body: dict[str, Any]) -> dict[str, Any]:
         return await r.json()
 
 
+async def test_explain_shows_the_policy_parameters_in_effect() -> None:
+    """Defaults, with what `routing.params` sets over them."""
+    cfg = _cfg(routing={"policy": "kv_cost", "params": {"saturation_band": 0.5}})
+    async with fleet([FakeWorker("a", DIGEST)], cfg) as (gw, url):
+        ex = await _explain(url, {"model": MODEL, "prompt": PROMPT, "max_tokens": 2})
+        p = ex["policy_params"]
+        assert ex["policy"] == "kv_cost" and p["saturation_band"] == 0.5
+        assert p["saturation_queue_s"] == 2.0 and p["tie_margin"] == 0.03
+
+
 async def test_prefetch_sent_for_cpu_blocks_before_forwarding() -> None:
     # Both report half a second of queue: the prefetch deadline must cover it (plus the margin).
     a, b = (FakeWorker(n, DIGEST, load={"est_queue_s": 0.5}) for n in ("a", "b"))
