@@ -69,6 +69,9 @@ def estimate_dict(e: Estimate) -> dict[str, Any]:
         "t_load_total_s": e.t_load_total,
         "t_prefill_s": e.t_prefill,
         "t_ttft_s": e.t_ttft,
+        "t_interference_s": e.t_interference,
+        "t_memory_s": e.t_memory,
+        "score": e.t_ttft if e.score is None else e.score,
         "load": e.load,
         "peer_source": e.peer_source,
     }

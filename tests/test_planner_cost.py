@@ -16,6 +16,7 @@ from router.planner.cost import (
     estimate_all,
     estimate_worker,
     interference_seconds,
+    memory_seconds,
     load_seconds,
     prefill_seconds,
     split_by_tier,
@@ -126,6 +127,27 @@ def test_prefill_steps_carry_the_running_decodes():
     # The report was taken while 20 ran; the router has seen all but 3 of its own finish since.
     stale = WorkerView("a", c, running_requests=20, inflight_requests=3, inflight_since_report_requests=0)
     assert one(stale, r).t_prefill == pytest.approx(idle.t_prefill + decode_ride_seconds(c, 251, 3))
+
+
+def test_memory_seconds_hand_computed():
+    # Capacity 100 blocks of 10 tokens, decode step 10 ms; a 200-token prompt with 100
+    # tokens of output needs 30 blocks less those it shares on GPU. Past capacity, the
+    # excess waits excess / 100 of one decode lifetime (100 steps = 1 s).
+    c = cost(decode_step_s=0.01)
+    r = RouteRequest(200, list(range(20)), {}, max_tokens=100)
+    ctx = RequestContext.build(r, [])
+
+    def w(kv_tokens: int | None, cap: int = 100, free: int = 0) -> WorkerView:
+        return WorkerView("a", c, gpu_capacity_blocks=cap, gpu_free_blocks=free, active_kv_tokens=kv_tokens)
+
+    assert memory_seconds(ctx, w(950), 0) == pytest.approx(0.25)  # 95 + 30 - 100 = 25 blocks over
+    assert memory_seconds(ctx, w(950), 20) == pytest.approx(0.05)  # sharing 20 of them
+    assert memory_seconds(ctx, w(950), 25) == 0.0  # fits exactly
+    assert memory_seconds(ctx, w(1100), 0) == pytest.approx(0.30)  # already over: all 30 are excess
+    assert memory_seconds(ctx, w(None, free=5), 0) == pytest.approx(0.25)  # no count: the report's used blocks
+    assert memory_seconds(ctx, w(950), 0, bound=1.25) == 0.0  # 125 blocks fit under 1.25 x capacity
+    assert memory_seconds(ctx, w(950, cap=0), 0) == 0.0  # no capacity reported
+    assert memory_seconds(ctx, WorkerView("a", cost(), gpu_capacity_blocks=100, active_kv_tokens=950), 0) == 0.0
 
 
 def test_slow_tier_is_recomputed_instead():

@@ -329,6 +329,20 @@ def test_saturated_fleet_keeps_a_prompt_where_its_prefix_is_held():
     assert make_policy("kv_cost", saturation_local_tiers=False).choose(r, ws).worker_id == "w1"
 
 
+def test_memory_bound_workers_price_the_blocks_a_prompt_would_not_share():
+    """Two workers whose GPU KV is full: the one already holding the prompt's prefix on GPU
+    needs few new blocks; the other would wait for decodes to free a whole copy. Without
+    the memory term the idle-queue worker wins on TTFT alone."""
+    ws = [WorkerView(f"w{i}", h200(decode_step_s=0.02), gpu_capacity_blocks=1000, active_kv_tokens=16_000)
+          for i in range(2)]
+    ws[0].est_queue_s = 0.4  # the holder is a little behind
+    r = RouteRequest(8192, [i for i in range(8192 // B)], {"w0": pm("w0", (Tier.GPU, 500))}, max_tokens=256)
+    d = make_policy("kv_cost").choose(r, ws)
+    e = {x.worker_id: x for x in d.estimates}
+    assert d.worker_id == "w0" and e["w1"].t_memory > e["w0"].t_memory >= 0.0
+    assert make_policy("kv_cost", memory_weight=0.0).choose(r, ws).worker_id == "w1"
+
+
 def test_prefetch_planned_for_cpu_and_disk_blocks_only_where_supported():
     p = make_policy("kv_cost")
     r = request(8192, {"w0": pm("w0", (Tier.GPU, 100), (Tier.CPU, 200), (Tier.DISK, 200))})

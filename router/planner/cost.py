@@ -61,6 +61,30 @@ def running_decodes(w: WorkerView) -> int:
     return n
 
 
+def memory_seconds(ctx: RequestContext, w: WorkerView, gpu_held: int, bound: float = 1.0) -> float:
+    """GPU memory this request would take on `w` beyond what it has, in decode time.
+
+    Committed: the KV of the router's requests in flight there (prompt + output tokens;
+    the report's used blocks when the router has no count). New: this request's prompt and
+    output blocks less the `gpu_held` leading blocks it would share. The part of the new
+    blocks that pushes the committed ones past `bound` x the GPU's capacity C has to wait
+    for running requests to finish; they free about C blocks per decode lifetime
+    (max_tokens x decode step), so that excess costs excess / C lifetimes. Zero while it
+    fits, and for a worker that reports no capacity or decode speed (docs/planner.md,
+    "Saturation")."""
+    cap = w.gpu_capacity_blocks * bound
+    c = w.cost
+    bs = c.block_size
+    if cap <= 0.0 or bs <= 0 or c.decode_step_s <= 0.0:
+        return 0.0
+    used = -(-w.active_kv_tokens // bs) if w.active_kv_tokens is not None else w.gpu_capacity_blocks - w.gpu_free_blocks
+    new = -(-(ctx.prompt_tokens + ctx.max_tokens) // bs) - gpu_held
+    if new <= 0 or used + new <= cap:
+        return 0.0
+    excess = used + new - cap - (used - cap if used > cap else 0.0)
+    return excess / cap * max(ctx.max_tokens, 1) * c.decode_step_s
+
+
 def interference_seconds(
     loads: Sequence[tuple[float, float]],
     queue_s: float,
@@ -299,6 +323,7 @@ class RequestContext:
     views: dict[str, WorkerView]
     # The two longest matches among the candidate workers: (blocks, worker_id).
     top: list[tuple[int, str]]
+    max_tokens: int = 0  # the request's output budget (its KV grows by that much)
     # PEER segments already priced in this decision, by (holder, start, end, link, scale).
     _peer_memo: dict[tuple[str, int, int, float, float, int, float], list[Segment]] = field(default_factory=dict)
 
@@ -314,7 +339,7 @@ class RequestContext:
                 else:
                     b = (m.blocks, wid)
         top = [t for t in (a, b) if t[0] > 0]
-        return cls(req.prompt_tokens, len(req.digests), req.matches, views, top)
+        return cls(req.prompt_tokens, len(req.digests), req.matches, views, top, req.max_tokens)
 
     def peer_for(self, worker_id: str, own_blocks: int) -> tuple[str, int] | None:
         """The other worker holding the longest match, if longer than `own_blocks`."""

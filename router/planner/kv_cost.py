@@ -28,6 +28,7 @@ from .cost import (
     estimate_worker,
     interference_seconds,
     may_coschedule,
+    memory_seconds,
     running_decodes,
     ttft_lower_bound,
 )
@@ -91,6 +92,8 @@ class KVCostPolicy(PolicyBase):
         saturation_abs_s: float = 0.0,
         saturation_queue_s: float = 2.0,
         saturation_local_tiers: bool = True,
+        memory_weight: float = 30.0,
+        memory_bound: float = 1.0,
     ) -> None:
         super().__init__(calibrate=calibrate, prefill_quantile=prefill_quantile, ttft_offset=ttft_offset)
         # Saturation stickiness (docs/planner.md, "Saturation"): when no open worker could
@@ -103,6 +106,11 @@ class KVCostPolicy(PolicyBase):
         self.saturation_abs_s = check_number("saturation_abs_s", saturation_abs_s, lo=0.0, hi=100.0)
         self.saturation_queue_s = check_number("saturation_queue_s", saturation_queue_s, lo=0.0)
         self.saturation_local_tiers = check_bool("saturation_local_tiers", saturation_local_tiers)
+        # GPU memory (cost.memory_seconds): memory_weight x the decode time this request's
+        # new blocks would wait for on a worker whose KV is past memory_bound x capacity.
+        # 0: off.
+        self.memory_weight = check_number("memory_weight", memory_weight, lo=0.0, hi=1000.0)
+        self.memory_bound = check_number("memory_bound", memory_bound, lo=0.0, hi=10.0, lo_open=True)
         self.coschedule_weight = check_number("coschedule_weight", coschedule_weight, lo=0.0, hi=100.0)
         self.coschedule_slack_s = check_number("coschedule_slack_s", coschedule_slack_s, lo=0.0, hi=10.0)
         self.interference_weight = check_number("interference_weight", interference_weight, lo=0.0, hi=100.0)
@@ -166,6 +174,10 @@ class KVCostPolicy(PolicyBase):
         e.score = e.t_ttft
         if not e.eligible:
             return e
+        if self.memory_weight > 0.0:
+            t = memory_seconds(ctx, w, e.matched_blocks.get(Tier.GPU, 0), self.memory_bound)
+            e.t_memory = t
+            e.score += self.memory_weight * t
         loads = w.inflight_loads
         if loads and self.interference_weight > 0.0:
             overlap = self.prefetch and w.supports_prefetch

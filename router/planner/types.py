@@ -135,6 +135,9 @@ class Estimate:
     # Of t_interference: the part from requests not started yet whose step it would share
     # (cost.coschedule_seconds); the rest is the delay to requests still loading.
     t_coschedule: float = 0.0
+    # Decode time its new GPU blocks would wait for on a worker past its KV capacity
+    # (cost.memory_seconds); kv_cost adds memory_weight x this to the score.
+    t_memory: float = 0.0
 
 
 @dataclass(slots=True)
