@@ -315,6 +315,7 @@ class WorkerPool:
                 w.events = None
             w.view.supports_prefetch = "prefetch" in w.capabilities
             w.view.supports_peer_pull = "peer_pull" in w.capabilities
+            w.view.gpu_block_tokens = info.block_size
         else:
             w.block_size = w.cfg.block_size or model.block_size
             w.remote_group = w.cfg.remote_group
@@ -322,6 +323,7 @@ class WorkerPool:
             w.capabilities = set()
             w.view.supports_prefetch = False
             w.view.supports_peer_pull = False
+            w.view.gpu_block_tokens = 0
         if w.block_size % model.block_size:
             self._refuse(
                 w,

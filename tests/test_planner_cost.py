@@ -117,6 +117,8 @@ def test_prefill_steps_carry_the_running_decodes():
     assert decode_ride_seconds(c, 250, 0) == 0.0
     assert decode_ride_seconds(c, 0, 20) == 0.0
     assert decode_ride_seconds(cost(max_batched_tokens=100), 250, 20) == 0.0  # no decode speed reported
+    # more decodes than budget (a bad report): an eighth of it is left, 250 / 12 -> 21 steps
+    assert decode_ride_seconds(c, 250, 500) == pytest.approx(21 * 0.005)
     r = req(251, {})
     idle = one(WorkerView("a", c), r)
     busy = one(WorkerView("a", c, running_requests=20), r)
@@ -137,8 +139,9 @@ def test_memory_seconds_hand_computed():
     r = RouteRequest(200, list(range(20)), {}, max_tokens=100)
     ctx = RequestContext.build(r, [])
 
-    def w(kv_tokens: int | None, cap: int = 100, free: int = 0) -> WorkerView:
-        return WorkerView("a", c, gpu_capacity_blocks=cap, gpu_free_blocks=free, active_kv_tokens=kv_tokens)
+    def w(kv_tokens: int | None, cap: int = 100, free: int = 0, block: int = 10) -> WorkerView:
+        return WorkerView("a", c, gpu_capacity_blocks=cap, gpu_free_blocks=free, active_kv_tokens=kv_tokens,
+                          gpu_block_tokens=block)
 
     assert memory_seconds(ctx, w(950), 0) == pytest.approx(0.25)  # 95 + 30 - 100 = 25 blocks over
     assert memory_seconds(ctx, w(950), 20) == pytest.approx(0.05)  # sharing 20 of them
@@ -147,7 +150,10 @@ def test_memory_seconds_hand_computed():
     assert memory_seconds(ctx, w(None, free=5), 0) == pytest.approx(0.25)  # no count: the report's used blocks
     assert memory_seconds(ctx, w(950), 0, bound=1.25) == 0.0  # 125 blocks fit under 1.25 x capacity
     assert memory_seconds(ctx, w(950, cap=0), 0) == 0.0  # no capacity reported
-    assert memory_seconds(ctx, WorkerView("a", cost(), gpu_capacity_blocks=100, active_kv_tokens=950), 0) == 0.0
+    assert memory_seconds(ctx, w(950, block=20), 0) == 0.0  # the worker's blocks are twice the index's
+    assert memory_seconds(ctx, w(950, block=0), 0) == 0.0  # its block size unknown (vLLM)
+    no_speed = WorkerView("a", cost(), gpu_capacity_blocks=100, active_kv_tokens=950, gpu_block_tokens=10)
+    assert memory_seconds(ctx, no_speed, 0) == 0.0
 
 
 def test_slow_tier_is_recomputed_instead():

@@ -234,8 +234,12 @@ def _random_case(rng: random.Random):
     for i in range(n):
         w = WorkerView(
             f"w{i}",
-            h200(prefill_tokens_per_s=rng.choice([20_000.0, 40_000.0])),
-            est_queue_s=rng.choice([0.0, rng.uniform(0, 0.3), rng.uniform(0, 2)]),
+            h200(prefill_tokens_per_s=rng.choice([20_000.0, 40_000.0]), decode_step_s=rng.choice([0.0, 0.006, 0.03])),
+            est_queue_s=rng.choice([0.0, rng.uniform(0, 0.3), rng.uniform(0, 2), rng.uniform(2, 10)]),
+            gpu_capacity_blocks=rng.choice([0, 2000]),
+            gpu_block_tokens=rng.choice([0, B, 4 * B]),
+            active_kv_tokens=rng.choice([None, rng.randrange(0, 40_000)]),
+            inflight_since_report_requests=rng.choice([None, rng.randrange(0, 4)]),
             report_age_s=rng.uniform(0, 0.1),
             running_requests=rng.randrange(0, 8),
             inflight_requests=rng.randrange(0, 8),
@@ -333,14 +337,17 @@ def test_memory_bound_workers_price_the_blocks_a_prompt_would_not_share():
     """Two workers whose GPU KV is full: the one already holding the prompt's prefix on GPU
     needs few new blocks; the other would wait for decodes to free a whole copy. Without
     the memory term the idle-queue worker wins on TTFT alone."""
-    ws = [WorkerView(f"w{i}", h200(decode_step_s=0.02), gpu_capacity_blocks=1000, active_kv_tokens=16_000)
-          for i in range(2)]
+    ws = [WorkerView(f"w{i}", h200(decode_step_s=0.02), gpu_capacity_blocks=1000, gpu_block_tokens=B,
+                     active_kv_tokens=16_000) for i in range(2)]
     ws[0].est_queue_s = 0.4  # the holder is a little behind
     r = RouteRequest(8192, [i for i in range(8192 // B)], {"w0": pm("w0", (Tier.GPU, 500))}, max_tokens=256)
     d = make_policy("kv_cost").choose(r, ws)
     e = {x.worker_id: x for x in d.estimates}
     assert d.worker_id == "w0" and e["w1"].t_memory > e["w0"].t_memory >= 0.0
     assert make_policy("kv_cost", memory_weight=0.0).choose(r, ws).worker_id == "w1"
+    for w in ws:  # a worker whose block size is unknown (vLLM) gets no memory pricing
+        w.gpu_block_tokens = 0
+    assert make_policy("kv_cost").choose(r, ws).worker_id == "w1"
 
 
 def test_prefetch_planned_for_cpu_and_disk_blocks_only_where_supported():

@@ -203,7 +203,9 @@ class Calibrator:
         ):
             pred = prefill_seconds(base, int(recomputed), int(sum(loaded.values())))
             own = prefill_ms / 1000.0 - decode_ride_seconds(base, int(recomputed), decodes)
-            if pred > 0.0 and own > 0.0:
+            if pred > 0.0 and own <= 0.0:  # the ride was priced above the whole measured prefill
+                co.rejected += 1
+            elif pred > 0.0:
                 ratio = own / pred
                 if self.prefill_quantile is not None:
                     ok = self._quantile_update(co, ratio)

@@ -46,15 +46,17 @@ def decode_ride_seconds(cost: CostParams, prefill_tokens: int, decodes: int) -> 
     idle one. `decode_step_s` is the step time the worker last reported for its batch."""
     if decodes <= 0 or prefill_tokens <= 0 or cost.decode_step_s <= 0.0:
         return 0.0
-    per_step = cost.max_batched_tokens - decodes
-    steps = -(-prefill_tokens // per_step) if per_step > 0 else prefill_tokens
-    return steps * cost.decode_step_s
+    # A report with more decodes than the budget (not a sane engine) leaves an eighth of it.
+    per_step = max(cost.max_batched_tokens - decodes, cost.max_batched_tokens // 8, 1)
+    return -(-prefill_tokens // per_step) * cost.decode_step_s
 
 
 def running_decodes(w: WorkerView) -> int:
-    """The worker's running requests as of its report, less those the router has seen
-    finish since (when its ledger is in use, its own in-flight count bounds them): a
-    report taken while a request ran must not price decode steps after it ended."""
+    """The worker's running requests as of its report, bounded by the router's own
+    in-flight count there once its ledger is in use: a report taken while a request ran
+    must not price decode steps after it ended. (With gateway replicas, or clients that
+    reach the worker directly, this undercounts: the ride is then priced low, as before
+    the term existed.)"""
     n = w.running_requests
     if w.inflight_since_report_requests is not None and w.inflight_requests < n:
         return w.inflight_requests
@@ -70,15 +72,20 @@ def memory_seconds(ctx: RequestContext, w: WorkerView, gpu_held: int, bound: flo
     blocks that pushes the committed ones past `bound` x the GPU's capacity C has to wait
     for running requests to finish; they free about C blocks per decode lifetime
     (max_tokens x decode step), so that excess costs excess / C lifetimes. Zero while it
-    fits, and for a worker that reports no capacity or decode speed (docs/planner.md,
-    "Saturation")."""
-    cap = w.gpu_capacity_blocks * bound
+    fits, and for a worker whose GPU block size is unknown (`gpu_block_tokens` 0: vLLM)
+    or that has no decode speed (docs/planner.md, "Saturation"). Counted in tokens: the
+    worker's blocks may be larger than the index's. Output is counted at `max_tokens`, the
+    client's budget, which over-declaring clients make larger than what they use."""
+    gbt = w.gpu_block_tokens
     c = w.cost
-    bs = c.block_size
-    if cap <= 0.0 or bs <= 0 or c.decode_step_s <= 0.0:
+    cap = w.gpu_capacity_blocks * gbt * bound  # in tokens from here on
+    if cap <= 0.0 or c.decode_step_s <= 0.0:
         return 0.0
-    used = -(-w.active_kv_tokens // bs) if w.active_kv_tokens is not None else w.gpu_capacity_blocks - w.gpu_free_blocks
-    new = -(-(ctx.prompt_tokens + ctx.max_tokens) // bs) - gpu_held
+    if w.active_kv_tokens is not None:
+        used = float(w.active_kv_tokens)
+    else:
+        used = float((w.gpu_capacity_blocks - w.gpu_free_blocks) * gbt)
+    new = ctx.prompt_tokens + ctx.max_tokens - gpu_held * c.block_size
     if new <= 0 or used + new <= cap:
         return 0.0
     excess = used + new - cap - (used - cap if used > cap else 0.0)

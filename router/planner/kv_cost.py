@@ -137,7 +137,7 @@ class KVCostPolicy(PolicyBase):
             return d
         split = self._balance(rows)
         # Saturated: no open worker could give the first token within saturation_queue_s
-        # (the pool is in bound order; the held workers are busier still).
+        # (the pool is in bound order; held workers serve only under the SLO).
         band = self.saturation_band if self.saturation_band is not None \
             and split.pool[0].bound >= self.saturation_queue_s else None
         pool, n_eval = self._evaluate_pool(ctx, split.pool, band)
@@ -157,7 +157,7 @@ class KVCostPolicy(PolicyBase):
         else:
             chosen = self._tie_break(pool, best)
             reason = "min_ttft" if chosen is best else "tie_less_load"
-            sticky = self._sticky(pool, best, band) if band is not None else None
+            sticky = self._sticky(pool, best, chosen, band) if band is not None else None
             if sticky is not None and sticky is not chosen:
                 chosen, reason = sticky, "saturation_prefix"
         return self._decision(chosen, reason, estimates, self._ranked(chosen, pool, split, n_eval, held))
@@ -189,7 +189,7 @@ class KVCostPolicy(PolicyBase):
         starts = w.inflight_starts
         if starts and self.coschedule_weight > 0.0 and may_coschedule(e):
             t = coschedule_seconds(starts, w.cost, e.t_queue, e.recompute_tokens, e.load_blocks * w.cost.block_size,
-                                   w.running_requests, self.coschedule_slack_s, r.prefill_scale)
+                                   running_decodes(w), self.coschedule_slack_s, r.prefill_scale)
             e.t_coschedule = t
             e.t_interference += t
             e.score += self.coschedule_weight * t
@@ -298,15 +298,15 @@ class KVCostPolicy(PolicyBase):
             n += m.get(Tier.CPU, 0) + m.get(Tier.DISK, 0)
         return n
 
-    def _sticky(self, pool: list[Estimate], best: Estimate, band: float) -> Estimate | None:
+    def _sticky(self, pool: list[Estimate], best: Estimate, chosen: Estimate, band: float) -> Estimate | None:
         """In saturation, the worker within the band that holds the most of the prompt;
-        None when none holds more than the best. A follow-up then stays where its
-        conversation's KV already sits in GPU memory (shared with the turn still decoding
-        there) instead of taking fresh blocks elsewhere on a queue estimate that is
-        seconds off anyway (docs/planner.md, "Saturation")."""
+        None when none holds more than the best and the tie-break's pick. A follow-up then
+        stays where its conversation's KV already sits in GPU memory (shared with the turn
+        still decoding there) instead of taking fresh blocks elsewhere on a queue estimate
+        that is seconds off anyway (docs/planner.md, "Saturation")."""
         bound = _by_score(best) * (1.0 + band) + self.saturation_abs_s
         slo = self.max_ttft_s
-        pick, top = None, self._held(best)
+        pick, top = None, max(self._held(best), self._held(chosen))
         for e in pool:
             if _by_score(e) > bound or (slo is not None and e.t_ttft > slo):
                 continue

@@ -57,6 +57,10 @@ class WorkerView:
     est_queue_s: float = 0.0  # the worker's own estimate, when it gives one
     gpu_free_blocks: int = 0
     gpu_capacity_blocks: int = 0
+    # Tokens per block of those two counts (the worker's engine block size); 0 = unknown
+    # (vLLM's metrics give a usage fraction, on a made-up scale without cache_config_info):
+    # no GPU-memory pricing then (cost.memory_seconds).
+    gpu_block_tokens: int = 0
     report_age_s: float = 0.0
     # The router's own accounting since that report (reports lag).
     inflight_requests: int = 0  # dispatched, not finished
