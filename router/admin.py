@@ -26,13 +26,13 @@ _enc = msgspec.json.Encoder()
 
 
 def explain_dict(prep: Prepared, policy_name: str, d: Decision, rr: RouteRequest,
-                 params: dict[str, Any] | None = None) -> dict[str, Any]:
+                 params: dict[str, Any]) -> dict[str, Any]:
     """`POST /admin/route/explain`: the decision, every worker's cost breakdown, and the
     policy's parameters in effect (its defaults with the config's `routing.params`)."""
     return {
         "model": prep.model.id,
         "policy": policy_name,
-        "policy_params": params or {},
+        "policy_params": params,
         "prompt_tokens": len(prep.ids),
         "full_blocks": len(prep.plan.digests),
         "block_size": prep.model.block_size,

@@ -104,13 +104,17 @@ class RoutingConfig(Strict):
     # at least N): each counts its dispatches not yet in a load report this many times.
     replicas: int = Field(default=1, ge=1, le=1024)
 
-    @model_validator(mode="after")
-    def _policy(self) -> RoutingConfig:
-        """A typo in the policy or its parameters fails at start, with the valid choices."""
+    def policy_kwargs(self) -> dict[str, Any]:
+        """The policy's keyword arguments: `params`, with `max_ttft_s` when the policy takes it."""
         params = dict(self.params)
         if self.max_ttft_s is not None and "max_ttft_s" in policy_params(self.policy):
             params.setdefault("max_ttft_s", self.max_ttft_s)
-        make_policy(self.policy, **params)
+        return params
+
+    @model_validator(mode="after")
+    def _policy(self) -> RoutingConfig:
+        """A typo in the policy or its parameters fails at start, with the valid choices."""
+        make_policy(self.policy, **self.policy_kwargs())
         return self
 
 

@@ -61,9 +61,7 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.tenancy = Tenancy(cfg)
         self.models = _models(cfg)
-        params = dict(cfg.routing.params)
-        if cfg.routing.max_ttft_s is not None and "max_ttft_s" in policy_params(cfg.routing.policy):
-            params.setdefault("max_ttft_s", cfg.routing.max_ttft_s)
+        params = cfg.routing.policy_kwargs()
         self.policy = make_policy(cfg.routing.policy, **params)
         self.policy_name = cfg.routing.policy
         self.policy_params = {**policy_params(cfg.routing.policy), **params}  # in effect: defaults + config

@@ -201,18 +201,7 @@ class Calibrator:
             and prefill_ms
             and base.prefill_tokens_per_s > 0.0
         ):
-            pred = prefill_seconds(base, int(recomputed), int(sum(loaded.values())))
-            own = prefill_ms / 1000.0 - decode_ride_seconds(base, int(recomputed), decodes)
-            if pred > 0.0 and own <= 0.0:  # the ride was priced above the whole measured prefill
-                co.rejected += 1
-            elif pred > 0.0:
-                ratio = own / pred
-                if self.prefill_quantile is not None:
-                    ok = self._quantile_update(co, ratio)
-                else:
-                    co.prefill_scale, co.prefill_streak, ok = self._update(co.prefill_scale, ratio, co.prefill_streak)
-                co.prefill_samples += ok
-                co.rejected += not ok
+            self._prefill_sample(co, base, int(recomputed), int(sum(loaded.values())), prefill_ms / 1000.0, decodes)
         below = [t for t in loaded if t is not Tier.GPU]
         load_ms = _num(kv, "load_ms")
         prefetched = _num(kv, "prefetched_tokens") or 0.0
@@ -229,6 +218,25 @@ class Calibrator:
                     co.link_streaks[t] = streak
                     co.link_samples[t] = co.link_samples.get(t, 0) + ok
                     co.rejected += not ok
+
+    def _prefill_sample(self, co: WorkerCoefficients, base: CostParams, new: int, cached: int, measured_s: float,
+                        decodes: int) -> None:
+        """One prefill-speed sample: the measured prefill less the decode steps it carried,
+        against the wire formula for the same (new, cached) tokens."""
+        pred = prefill_seconds(base, new, cached)
+        if pred <= 0.0:
+            return
+        own = measured_s - decode_ride_seconds(base, new, decodes)
+        if own <= 0.0:  # the ride was priced above the whole measured prefill
+            co.rejected += 1
+            return
+        ratio = own / pred
+        if self.prefill_quantile is not None:
+            ok = self._quantile_update(co, ratio)
+        else:
+            co.prefill_scale, co.prefill_streak, ok = self._update(co.prefill_scale, ratio, co.prefill_streak)
+        co.prefill_samples += ok
+        co.rejected += not ok
 
     def _offset_update(self, co: WorkerCoefficients, residual: float) -> None:
         """The TTFT offset: the median of the last `prefill_window` residuals, in [0, max_offset_s]."""

@@ -88,7 +88,7 @@ def memory_seconds(ctx: RequestContext, w: WorkerView, gpu_held: int, bound: flo
     new = ctx.prompt_tokens + ctx.max_tokens - gpu_held * c.block_size
     if new <= 0 or used + new <= cap:
         return 0.0
-    excess = used + new - cap - (used - cap if used > cap else 0.0)
+    excess = new if used > cap else used + new - cap  # only what this request adds past capacity
     return excess / cap * max(ctx.max_tokens, 1) * c.decode_step_s
 
 
@@ -492,9 +492,10 @@ def estimate_worker(
         crit = t_load - q if t_load > q else 0.0
     else:
         crit = t_load
-    ride = decode_ride_seconds(c, N - k * B, running_decodes(w))
-    return Estimate(wid, matched, k, by_tier, pre, N - k * B, q, crit, t_load, cut.t_prefill + ride, cut.t_ttft + ride,
-                    True, note, peer_src)
+    n = N - k * B
+    ride = decode_ride_seconds(c, n, running_decodes(w))
+    return Estimate(wid, matched, k, by_tier, pre, n, q, crit, t_load, cut.t_prefill + ride, cut.t_ttft + ride, True,
+                    note, peer_src)
 
 
 def ttft_lower_bound(
