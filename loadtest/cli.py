@@ -268,7 +268,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
         workers=args.workers, profile=args.profile, speed=args.speed, block_size=args.block_size,
         tolerance=args.tolerance, seed=args.seed, vocab_size=args.vocab_size, base_port=args.base_port,
         python=args.python, transport=args.offline_transport, offline_seeds=args.offline_seeds,
-        http_runs=args.http_runs,
+        http_runs=args.http_runs, hold_target_s=args.hold_target, gateway_order=args.gateway_order,
+        max_hold_s=args.max_hold,
     )
     ok = run_compare(trace, cfg, out_dir(args.out, "compare"),
                      http_from=Path(args.http_from) if args.http_from else None)
@@ -354,6 +355,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the offline side's model of the HTTP path: local-http (measured on this stack) | none")
     p.add_argument("--offline-seeds", type=int, default=9, help="draws of the transport jitter (median p50)")
     p.add_argument("--http-runs", type=int, default=1, help="HTTP replays per policy (median p50)")
+    p.add_argument("--hold-target", type=float, default=None, metavar="S",
+                   help="late binding on both sides: the gateway holds requests while every worker's predicted "
+                        "queue exceeds S (routing.gateway_queue)")
+    p.add_argument("--gateway-order", choices=("fifo", "spf"), default="fifo", help="order of held requests")
+    p.add_argument("--max-hold", type=float, default=20.0, metavar="S", help="fairness bound of held requests")
     p.add_argument("--http-from", default=None, metavar="RESULTS_JSONL",
                    help="reuse the HTTP runs of an earlier compare instead of replaying (re-check the offline side)")
     p.add_argument("--out", default=None)

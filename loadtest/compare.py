@@ -25,7 +25,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import yaml
@@ -64,6 +64,11 @@ class CompareConfig:
     offline_seeds: int = 9
     http_runs: int = 1
     arrival_log: str | None = None  # the sim cluster's --arrival-log (bench/transport_probe.py)
+    # The gateway's own queue on both sides (routing.gateway_queue; RouterSettings): off
+    # unless `hold_target_s` is set.
+    hold_target_s: float | None = None
+    gateway_order: str = "fifo"
+    max_hold_s: float = 20.0
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -134,9 +139,16 @@ def _gateway_config(cfg: CompareConfig, policy: str, urls: list[str], port: int)
         "listen": {"host": "127.0.0.1", "port": port},
         "models": [model],
         "workers": [{"id": f"w{i}", "url": u, "kind": "kvroute"} for i, u in enumerate(urls)],
-        "routing": {"policy": policy},
+        "routing": {"policy": policy, **_queue_config(cfg)},
         "observability": {"log_level": "WARNING"},
     }
+
+
+def _queue_config(cfg: CompareConfig) -> dict[str, object]:
+    if cfg.hold_target_s is None:
+        return {}
+    return {"gateway_queue": {"hold_target_s": cfg.hold_target_s, "order": cfg.gateway_order,
+                              "max_hold_s": cfg.max_hold_s}}
 
 
 def _profile_model(profile: str) -> str:
@@ -171,12 +183,19 @@ def offline_run(trace: Trace, cfg: CompareConfig, policy: str, synth: TokenSynth
     st = SimSettings(
         fleet=FleetSpec(workers=cfg.workers, profile=cfg.profile, tiers="all", block_size=cfg.block_size,
                         remote_groups=cfg.remote_groups),
-        router=RouterSettings().with_transport(cfg.transport, seed),
+        router=_router_settings(cfg, seed),
         speed=cfg.speed,
         vocab_size=cfg.vocab_size,
         seed=cfg.seed,
     )
     return Simulation(trace, policy, st, label=f"sim:{policy}", synth=synth).run()
+
+
+def _router_settings(cfg: CompareConfig, seed: int) -> RouterSettings:
+    rs = RouterSettings().with_transport(cfg.transport, seed)
+    if cfg.hold_target_s is None:
+        return rs
+    return replace(rs, gateway_order=cfg.gateway_order, hold_target_s=cfg.hold_target_s, max_hold_s=cfg.max_hold_s)
 
 
 def offline_median_run(trace: Trace, cfg: CompareConfig, policy: str, synth: TokenSynth) -> tuple[Run, list[float]]:

@@ -93,6 +93,18 @@ class PrefetchConfig(Strict):
     ack_timeout_s: float = Field(default=0.05, gt=0)
 
 
+class GatewayQueueConfig(Strict):
+    """The gateway's own queue (router/binding.py, docs/planner.md "Scheduling"): while
+    every worker of a model predicts a queue over `hold_target_s`, requests wait at the
+    gateway and bind, in `order`, to the worker that frees first. Off when
+    `hold_target_s` is null."""
+
+    hold_target_s: float | None = Field(default=None, ge=0)
+    order: Literal["fifo", "spf"] = "fifo"
+    max_hold_s: float = Field(default=20.0, ge=0)  # the fairness bound: held this long, bound anyway
+    max_held: int = Field(default=4096, gt=0)  # per model; beyond it, requests route on arrival
+
+
 class RoutingConfig(Strict):
     policy: str = "kv_cost"
     params: dict[str, Any] = Field(default_factory=dict)
@@ -103,6 +115,7 @@ class RoutingConfig(Strict):
     # Gateway replicas sharing the fleet behind one balancer (`kvroute serve --processes N` sets
     # at least N): each counts its dispatches not yet in a load report this many times.
     replicas: int = Field(default=1, ge=1, le=1024)
+    gateway_queue: GatewayQueueConfig = Field(default_factory=GatewayQueueConfig)
 
     def policy_kwargs(self) -> dict[str, Any]:
         """The policy's keyword arguments: `params`, with `max_ttft_s` when the policy takes it."""

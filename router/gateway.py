@@ -25,6 +25,7 @@ from prometheus_client.core import Metric
 from . import admin
 from .admin_policy import LOOPBACK_HOSTS
 from .attempt import Attempt, Out
+from .binding import Binder
 from .budget import ByteBudget
 from .config import Config
 from .discovery import Discovery
@@ -39,6 +40,7 @@ from .observe import Observer, access
 from .passthrough import PassThrough
 from .planner.explain import explain as explain_decision
 from .planner.fleet import whole_engine_blocks
+from .planner.load import queue_seconds
 from .planner.registry import make_policy, policy_params
 from .planner.types import Decision, Estimate, RouteRequest
 from .pool import WorkerPool
@@ -83,6 +85,7 @@ class Gateway:
         self._bg: set[asyncio.Task[Any]] = set()
         self._admin_timeout = aiohttp.ClientTimeout(total=2.0, connect=cfg.pool.connect_timeout_s)
         self.metrics.add_state_collector(self._collect_state)
+        self.binder = Binder(cfg.routing.gateway_queue, self._predicted_queues, self.metrics)
         self.membership: Membership | None = None
         self.discovery: Discovery | None = None
         self.stopping = False  # SIGTERM: not ready, finishing what is in flight
@@ -109,6 +112,7 @@ class Gateway:
             replicas=cfg.routing.replicas,
             on_state=self._on_worker_state,
             on_refused=lambda w, code: self.metrics.worker_refused.labels(w.id, code).inc(),
+            on_load=lambda w: self.binder.check(w.model.id),
         )
         self.prefetcher = Prefetcher(self.session, prefetch_rule(cfg.routing.prefetch), self.metrics, self.spawn,
                                      cfg.pool.connect_timeout_s)
@@ -150,6 +154,7 @@ class Gateway:
         return {**diff.as_dict(), "restart_needed": later}
 
     async def close(self) -> None:
+        self.binder.close()
         if self.discovery is not None:
             await self.discovery.close()
         for t in list(self._bg):
@@ -204,6 +209,23 @@ class Gateway:
     ) -> Prepared:
         return await self.preparer.prepare(chat, body, headers, tenant)
 
+    def _open(self, workers: list[Worker]) -> list[Worker]:
+        """Those under their in-flight caps."""
+        return [w for w in workers if w.max_inflight is None or len(w.inflight) < w.max_inflight]
+
+    def _predicted_queues(self, model_id: str) -> list[float]:
+        """Each worker that could take a request of the model now: its predicted queue (s)."""
+        assert self.pool is not None
+        workers = self._open(self.pool.routable(model_id))
+        self.pool.refresh_ages(workers, time.monotonic())
+        return [queue_seconds(w.view) for w in workers]
+
+    def _prefill_tokens(self, prep: Prepared) -> float:
+        """Tokens left to compute after the longest prefix any worker holds (the gateway
+        queue's shortest-first order)."""
+        held = max((m.blocks for m in prep.model.index.match(prep.plan.digests).values()), default=0)
+        return float(max(1, len(prep.ids) - held * prep.model.block_size))
+
     def _candidates(self, prep: Prepared) -> list[Worker]:
         """Healthy workers of the model that can serve the request as asked, under their caps."""
         assert self.pool is not None
@@ -222,7 +244,7 @@ class Gateway:
             workers = [w for w in workers if w.kind == "vllm"]
             if not workers:
                 raise prep.ours_error
-        open_ = [w for w in workers if w.max_inflight is None or len(w.inflight) < w.max_inflight]
+        open_ = self._open(workers)
         if not open_:
             self.metrics.child(self.metrics.shed, "worker_caps").inc()
             raise rate_limited("Every worker of this model is at its in-flight cap.",
@@ -268,7 +290,9 @@ class Gateway:
         workers = self._candidates(prep)
         rr = self._route_request(prep, workers)
         d = explain_decision(self.policy, rr, [w.view for w in workers])
-        return admin.explain_dict(prep, self.policy_name, d, rr, self.policy_params)
+        out = admin.explain_dict(prep, self.policy_name, d, rr, self.policy_params)
+        out["gateway_queue"] = {**self.cfg.routing.gateway_queue.model_dump(), "held": self.binder.held(prep.model.id)}
+        return out
 
     # ------------------------------------------------------------------ dispatch
 
@@ -296,6 +320,8 @@ class Gateway:
     async def _dispatch(self, prep: Prepared, out: Out) -> int:
         assert self.pool is not None
         m = self.metrics
+        if self.binder.enabled:
+            await self.binder.turn(prep.model.id, lambda: self._prefill_tokens(prep), prep.tenant.id)
         d, rr = self.decide(prep)
         if d.worker_id is None:
             raise self._shed(d)

@@ -72,6 +72,12 @@ class GatewayMetrics:
                                           "|reported - predicted| cached prompt tokens (vLLM workers)", _TOKENS,
                                           "worker")
         self.disconnects = counter("kvroute_client_disconnects", "Clients that went away mid-request")
+        self.held = Gauge("kvroute_gateway_held_requests", "Requests held in the gateway's queue (late binding)",
+                          ["model"], registry=r)
+        self.hold = histogram("kvroute_gateway_hold_seconds", "Time requests were held in the gateway's queue",
+                              _LAT, "model")
+        self.hold_overflow = counter("kvroute_gateway_queue_full",
+                                     "Requests routed on arrival because the gateway's queue was full", "model")
         self.inflight = Gauge("kvroute_inflight_requests", "Requests in flight at the gateway", registry=r)
         self._req_children: dict[tuple[str, int, str], Any] = {}
         self._per_model: dict[tuple[int, str], Any] = {}

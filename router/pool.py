@@ -66,6 +66,7 @@ class WorkerPool:
         replicas: int = 1,
         on_state: Callable[[Worker, State], None] | None = None,
         on_refused: Callable[[Worker, str], None] | None = None,
+        on_load: Callable[[Worker], None] | None = None,
     ) -> None:
         self.cfg = cfg
         self.models = models
@@ -77,6 +78,7 @@ class WorkerPool:
         self._routable: dict[str, list[Worker]] = {}
         self._on_state = on_state
         self._on_refused = on_refused
+        self._on_load = on_load  # after each load report (the gateway queue's binding check)
         self._closed = False
         self._breakers_until = 0.0  # no breaker is open after this time
         self.probe = Probe(session, cfg.probe_timeout_s, cfg.connect_timeout_s)
@@ -415,6 +417,8 @@ class WorkerPool:
             return False
         w.fleet.on_report(rep_, time.monotonic(), sent)
         self._check_index(w)
+        if self._on_load is not None:
+            self._on_load(w)
         return True
 
     def _check_index(self, w: Worker) -> None:

@@ -220,6 +220,24 @@ def test_offline_side_takes_the_median_draw_of_the_transport() -> None:
         CompareConfig(http_runs=0)
 
 
+def test_compare_gives_both_sides_the_same_gateway_queue() -> None:
+    from loadtest.compare import CompareConfig, _gateway_config, offline_run
+    from loadtest.tokens import TokenSynth
+    from loadtest.traces import load_trace
+    from router.config import build_config
+
+    cfg = CompareConfig(workers=2, transport="none", hold_target_s=0.5, gateway_order="spf", max_hold_s=3.0)
+    conf = _gateway_config(cfg, "kv_cost", ["http://127.0.0.1:1"], 9)
+    gq = build_config(conf, environ={}).routing.gateway_queue
+    assert (gq.hold_target_s, gq.order, gq.max_hold_s) == (0.5, "spf", 3.0)
+    trace = load_trace(MOONCAKE_SLICE).window(limit=10)
+    run = offline_run(trace, cfg, "kv_cost", TokenSynth.for_trace(trace, vocab_size=cfg.vocab_size, seed=0))
+    r = run.meta.params["router"]
+    assert (r["hold_target_s"], r["gateway_order"], r["max_hold_s"]) == (0.5, "spf", 3.0)
+    off = _gateway_config(CompareConfig(workers=2), "kv_cost", ["http://127.0.0.1:1"], 9)
+    assert build_config(off, environ={}).routing.gateway_queue.hold_target_s is None
+
+
 async def test_replay_against_a_simulated_worker() -> None:
     """Our own worker's stream and usage (with the `kv` extension) parse; a repeated
     prefix comes back as cached tokens, exactly as the trace shares it."""

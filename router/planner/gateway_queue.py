@@ -62,13 +62,27 @@ class GatewayQueue(Generic[T]):
     def __len__(self) -> int:
         return self._n
 
-    def push(self, item: T, size: float, now: float, tenant: str = "") -> None:
-        """Hold `item`; `size`: its predicted prefill (tokens to compute, or seconds)."""
+    def push(self, item: T, size: float, now: float, tenant: str = "") -> _Held[T]:
+        """Hold `item`; `size`: its predicted prefill (tokens to compute, or seconds).
+        Returns the handle `drop` takes."""
         h = _Held(item, size, now, tenant, next(self._seq))
         key = size if self.order == "spf" else 0.0
         heapq.heappush(self._by_tenant.setdefault(tenant, []), (key, now, h.seq, h))
         heapq.heappush(self._fifo, (now, h.seq, h))
         self._n += 1
+        return h
+
+    def drop(self, h: _Held[T]) -> None:
+        """Forget a held request that will not be bound (its client left); not counted as
+        served. Its heap entries go lazily, as taken ones do."""
+        if not h.taken:
+            h.taken = True
+            self._n -= 1
+
+    def oldest_arrival(self) -> float | None:
+        """When the longest-held request arrived (None when nothing is held)."""
+        old = self._oldest()
+        return old.arrived if old is not None else None
 
     def should_hold(self, queues: Iterable[float], now: float) -> bool:
         """True while nothing may be bound: late binding is on, every worker's predicted
@@ -91,15 +105,19 @@ class GatewayQueue(Generic[T]):
             return self._take(old)
         best: tuple[float, float, float, int] | None = None
         pick: _Held[T] | None = None
+        empty: list[str] = []
         for tenant, heap in self._by_tenant.items():
             while heap and heap[0][3].taken:
                 heapq.heappop(heap)
-            if not heap:
+            if not heap:  # every request of the tenant was dropped
+                empty.append(tenant)
                 continue
             key, arrived, seq, head = heap[0]
             cand = (self._served.get(tenant, 0.0), key, arrived, seq)
             if best is None or cand < best:
                 best, pick = cand, head
+        for tenant in empty:
+            del self._by_tenant[tenant]
         assert pick is not None
         return self._take(pick)
 
