@@ -109,10 +109,11 @@ class Binder:
         self._timers[model_id] = asyncio.get_running_loop().call_later(delay, self.check, model_id)
 
     def close(self) -> None:
+        """Bind everything held now (the gateway is stopping: nothing may wait out its bound)."""
         for t in self._timers.values():
             t.cancel()
         self._timers.clear()
-        for gq in self._held.values():  # release what is held: the gateway is stopping
+        for gq in self._held.values():
             while len(gq):
                 fut = gq.pop(time.monotonic())
                 if fut is not None and not fut.done():

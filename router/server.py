@@ -110,6 +110,8 @@ class GatewayServer(uvicorn.Server):
                      self.config.timeout_graceful_shutdown or 0)
         if self._stop_at is not None and time.monotonic() >= self._stop_at:
             self.should_exit = True
+        if self.should_exit:  # in flight from now on: what the gateway holds binds now
+            self.gw.binder.close()
         if self._hup:
             self._hup = False
             self.gw.spawn(self._reload())
