@@ -233,6 +233,9 @@ class Relay:
             return await self._relay_fast(a, ex, batch, out)
         finally:
             ex.finish()
+            # Finished, `ex.abort` does nothing; unset, the request's objects are freed now
+            # instead of by the cycle collector (ticket -> exchange -> attempt -> ticket).
+            a.rec.ticket.abort = None
 
     async def _connect(self, key: tuple[str, int], w: Worker, ex: Exchange, task: asyncio.Task[Any] | None) -> Conn:
         ex.task = task  # an abort while connecting cancels the wait

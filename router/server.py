@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import math
 import signal
@@ -53,6 +54,10 @@ def serve(cfg: Config, config_path: str | Path | None = None, reuse_port: bool =
     server = GatewayServer(ucfg, gw, cfg.shutdown.grace_s, Path(config_path) if config_path else None, overrides)
     sockets = [listen_socket(cfg.listen.host, cfg.listen.port, reuse_port)] if reuse_port else None
     hup = signal.signal(signal.SIGHUP, server.handle_hup) if config_path else None
+    # What startup built (modules, tokenizers, the config) lives as long as the process:
+    # kept out of the cycle collector's full passes, which would walk it every time.
+    gc.collect()
+    gc.freeze()
     try:
         server.run(sockets=sockets)
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown

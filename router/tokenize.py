@@ -92,6 +92,8 @@ class Tokenizer:
         self.folder = Path(folder)
         self.hf = _load(self.folder)
         self.backend = self.hf.backend_tokenizer  # the Rust tokenizers.Tokenizer
+        # The same ids without character offsets (tokenizers >= 0.21): ~25% less per encode.
+        self._encode_batch = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
         self.cache = SegmentCache(cache_entries, cache_tokens)
         self._lock = threading.Lock()
         self.thread_min_chars = thread_min_chars
@@ -232,7 +234,7 @@ class Tokenizer:
 
     def encode_segments(self, todo: list[str]) -> list[array[int]]:
         """Encode uncached segments (GIL released: safe to run in a worker thread)."""
-        encs = self.backend.encode_batch(todo, add_special_tokens=False)
+        encs = self._encode_batch(todo, add_special_tokens=False)
         return [_ids(e.ids) for e in encs]
 
     def finish(
