@@ -45,7 +45,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from router.planner.base import PolicyBase
-from router.planner.cost import COSCHEDULE_SLACK_S, coschedule_delay, may_coschedule, usable_blocks
+from router.planner.cost import (
+    COSCHEDULE_SLACK_S,
+    coschedule_delay,
+    interference_delays,
+    may_coschedule,
+    usable_blocks,
+)
 from router.planner.gateway_queue import GatewayQueue
 from router.planner.registry import make_policy
 from router.planner.types import Decision, Estimate, RouteRequest
@@ -344,34 +350,46 @@ class Simulation:
         self._fail(p, now, 429, a.last_err or "no worker took the request")
 
     def _revise_ahead(self, wid: str, est: Estimate | None, now: float) -> None:
-        """The router is about to send a request to `wid`: the requests it sent there that
-        have not started yet and whose step it rides in (cost.coschedule_delay) get their
-        first token one chunk later, so their predictions move by that much (the token
-        budget shared with what the router itself sends next: docs/simulator.md)."""
-        if not self.settings.router.revise_predictions or est is None or not may_coschedule(est):
+        """The router is about to send a request to `wid`, and revises the predictions of
+        those it sent there before that the newcomer will delay (docs/simulator.md): the
+        ones not started yet whose (last) step it rides in (cost.coschedule_delay) get
+        their first token one chunk later; the ones still loading their KV, which the engine
+        passes over while they load, wait for its prefill where it overlaps their landing
+        (cost.interference_delays)."""
+        if not self.settings.router.revise_predictions or est is None or not est.eligible:
             return
         w = self.router.workers.get(wid)
         if w is None:
             return
-        ahead = w.fleet.ledger.not_started(now)
-        if not ahead:
+        ledger = w.fleet.ledger
+        ahead = ledger.not_started(now) if may_coschedule(est) else []
+        if ahead:
+            v = w.view
+            scale = self.policy.scales(wid)[0] if isinstance(self.policy, PolicyBase) else 1.0
+            slack = float(getattr(self.policy, "coschedule_slack_s", COSCHEDULE_SLACK_S))
+            starts = [(t.start_at - now, t.prefill_tokens) for t in ahead]  # type: ignore[operator]
+            d = coschedule_delay(starts, v.cost, est.t_queue, est.recompute_tokens,
+                                 est.load_blocks * v.cost.block_size, v.running_requests, slack, scale)
+            if d > 0.0:
+                for t in ahead:
+                    self._revise(t, d)
+        loading = ledger.still_loading(now)
+        if loading:
+            loads = [(t.ready_at - now, t.prefill_s) for t in loading]  # type: ignore[operator]
+            overlap = bool(getattr(self.policy, "prefetch", True)) and w.view.supports_prefetch
+            delays = interference_delays(loads, est.t_queue, est.t_load_total, est.t_prefill, overlap)
+            for t, d in zip(loading, delays, strict=True):
+                if d > 0.0:
+                    self._revise(t, d)
+
+    def _revise(self, t: Inflight, d: float) -> None:
+        q = self._by_ticket.get(t)
+        if q is None or q.predicted is None:
             return
-        v = w.view
-        scale = self.policy.scales(wid)[0] if isinstance(self.policy, PolicyBase) else 1.0
-        slack = float(getattr(self.policy, "coschedule_slack_s", COSCHEDULE_SLACK_S))
-        starts = [(t.start_at - now, t.prefill_tokens) for t in ahead if t.start_at is not None]
-        d = coschedule_delay(starts, v.cost, est.t_queue, est.recompute_tokens, est.load_blocks * v.cost.block_size,
-                             v.running_requests, slack, scale)
-        if d <= 0.0:
-            return
-        for t in ahead:
-            q = self._by_ticket.get(t)
-            if q is None or q.predicted is None:
-                continue
-            q.predicted += d
-            if q.res.predicted_ttft_s is not None:
-                q.res.predicted_ttft_s += d
-            self.counters["predictions_revised"] += 1
+        q.predicted += d
+        if q.res.predicted_ttft_s is not None:
+            q.res.predicted_ttft_s += d
+        self.counters["predictions_revised"] += 1
 
     def _submitted(self, p: _Pending, now: float) -> None:
         """A send reached its worker, unless the request failed in transit (its worker

@@ -6,7 +6,14 @@ import pytest
 
 from kvindex.tiers import Tier
 from router.planner.calibration import Calibrator
-from router.planner.cost import coschedule_seconds, prefill_seconds
+from router.planner.cost import (
+    coschedule_delay,
+    coschedule_seconds,
+    interference_delays,
+    interference_seconds,
+    prefill_seconds,
+    step_spare,
+)
 from router.planner.inflight import STARTS_KEPT_S, InflightLedger
 from router.planner.registry import make_policy
 from router.planner.types import CostParams, Estimate, RouteRequest, WorkerView
@@ -71,12 +78,43 @@ def test_coschedule_delay_only_when_the_newcomer_shares_their_step() -> None:
     # a longer prompt only gets the spare budget in that step
     assert coschedule_seconds(starts, c, q, 20_000, 128, 10) == pytest.approx(
         2 * prefill_seconds(c, 8192 - 10 - 700, 128))
-    # no spare budget, nothing waiting, or a newcomer that starts later (a queue of its own
-    # beyond theirs): no delay
-    assert coschedule_seconds(((0.0, 8190),), c, prefill_seconds(c, 8190, 0), 100, 0, 10) == 0.0
+    # no spare budget (their work fills its last step exactly), nothing waiting, or a
+    # newcomer that starts later (a queue of its own beyond theirs): no delay
+    assert coschedule_seconds(((0.0, 8182),), c, prefill_seconds(c, 8182, 0), 100, 0, 10) == 0.0
+    assert coschedule_seconds(((0.0, 2 * 8182),), c, prefill_seconds(c, 2 * 8182, 0), 100, 0, 10) == 0.0
     assert coschedule_seconds((), c, 0.0, 100, 0, 0) == 0.0
     assert coschedule_seconds(starts, c, q + 1.0, 5000, 0, 10) == 0.0
     assert coschedule_seconds(starts, c, q + 0.01, 5000, 0, 10, slack_s=0.02) > 0.0
+
+
+def test_a_newcomer_rides_in_the_last_step_of_a_prefill_longer_than_the_budget() -> None:
+    c = cost()
+    budget = 8192 - 10
+    # one 10,000-token prefill: 8,182 tokens in its first step, 1,818 in its last, which
+    # leaves 6,364 for the newcomer's first chunk; it gets its first token that much later
+    starts = ((0.0, 10_000),)
+    q = prefill_seconds(c, 10_000, 0)
+    assert step_spare(starts, budget) == budget - 1_818
+    assert coschedule_delay(starts, c, q, 3_000, 0, 10) == pytest.approx(prefill_seconds(c, 3_000, 0))
+    assert coschedule_seconds(starts, c, q, 20_000, 0, 10) == pytest.approx(prefill_seconds(c, budget - 1_818, 0))
+    # several requests over one step: where their steps fall is too uncertain, no delay
+    assert step_spare(((0.0, 6_000), (0.001, 3_000)), budget) <= 0
+    assert step_spare(((0.0, 2 * budget),), budget) == 0 and step_spare((), budget) == budget
+    assert step_spare(starts, 0) == 0
+
+
+def test_interference_delays_each_loading_request_by_what_overlaps_its_landing() -> None:
+    # the newcomer starts prefilling at 0.1 s (its queue of 0.3 s less the loading
+    # requests' own 0.2 s of prefill, which it does not wait for) and ends at 0.4 s
+    loads = ((0.05, 0.1), (0.2, 0.1), (0.5, 0.0))
+    delays = interference_delays(loads, 0.3, 0.0, 0.3, overlap=True)
+    # landed before it starts: prefilling ahead of it, not delayed; lands mid-prefill:
+    # waits the rest of it; lands after it ends: not delayed
+    assert delays == pytest.approx([0.0, 0.2, 0.0])
+    # with 0.1 s of slack the first counts as landing at the start: it waits the whole prefill
+    assert interference_delays(loads, 0.3, 0.0, 0.3, True, slack_s=0.1) == pytest.approx([0.3, 0.2, 0.0])
+    assert interference_seconds(loads, 0.3, 0.0, 0.3, True, 0.1) == pytest.approx(0.5)
+    assert interference_delays((), 0.3, 0.0, 0.3, True) == []
 
 
 def test_ledger_lists_requests_not_started_and_drops_them_once_started() -> None:

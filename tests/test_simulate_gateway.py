@@ -2,6 +2,8 @@
 GatewayQueue, with every request still answered once."""
 from __future__ import annotations
 
+import pytest
+
 from loadtest.fleet import FleetSpec
 from loadtest.router_model import RouterSettings
 from loadtest.scenarios.base import sized_profile
@@ -106,3 +108,15 @@ def test_a_prediction_moves_when_the_router_sends_another_request_into_its_step(
     # an idle worker starts the first request at once, alone: no revision
     _, _, idle = _revision(600, 6_000, busy=False)
     assert idle["predictions_revised"] == 0
+
+
+def test_a_prefill_longer_than_the_step_budget_is_revised_by_a_rider_in_its_last_step() -> None:
+    """A 10,000-token prompt spans two 8,192-token steps; a 3,000-token prompt sent right
+    after it rides in its second step, which delays its first token by that chunk."""
+    a, b, st = _revision(10_000, 3_000, busy=True)
+    a0, _, _ = _revision(10_000, 3_000, busy=True, revise=False)
+    assert st["predictions_revised"] == 1
+    assert a.ttft_s == a0.ttft_s and b.ttft_s == pytest.approx(a.ttft_s, rel=0.05)  # they end in one step
+    err = abs(a.predicted_ttft_s - a.ttft_s) / a.ttft_s
+    err0 = abs(a0.predicted_ttft_s - a0.ttft_s) / a0.ttft_s
+    assert err < 0.1 < err0

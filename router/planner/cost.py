@@ -100,7 +100,20 @@ def interference_seconds(
     overlap: bool,
     slack_s: float = 0.0,
 ) -> float:
-    """Delay a new request imposes on the requests still loading on a worker (the module doc).
+    """Delay a new request imposes on the requests still loading on a worker, in total
+    (`interference_delays`, summed)."""
+    return sum(interference_delays(loads, queue_s, own_load_s, prefill_s, overlap, slack_s))
+
+
+def interference_delays(
+    loads: Sequence[tuple[float, float]],
+    queue_s: float,
+    own_load_s: float,
+    prefill_s: float,
+    overlap: bool,
+    slack_s: float = 0.0,
+) -> list[float]:
+    """Delay a new request imposes on each request still loading on a worker (the module doc).
 
     `loads`: `(ready_s, prefill_s)` of each (WorkerView.inflight_loads); `queue_s`,
     `own_load_s` (total, no overlap) and `prefill_s`: the new request's terms. Its queue
@@ -119,11 +132,8 @@ def interference_seconds(
     else:
         start = q + own_load_s
     end = start + prefill_s
-    total = 0.0
-    for ready, _ in loads:
-        if start < ready + slack_s and ready < end:
-            total += end - ready if ready > start else prefill_s
-    return total
+    return [(end - ready if ready > start else prefill_s) if start < ready + slack_s and ready < end else 0.0
+            for ready, _ in loads]
 
 
 COSCHEDULE_SLACK_S = 0.02  # how late a newcomer may start and still ride in their step (a prediction)
@@ -151,27 +161,42 @@ def coschedule_delay(
     `starts`: `(start_s, prefill_tokens)` of each (WorkerView.inflight_starts). The engine
     admits in order while the step's token budget (`max_batched_tokens` less one token
     per running decode) lasts, and a step ends when all its chunks are computed: when
-    those requests leave budget over, the newcomer's first chunk rides in their step and
-    each of them gets its first token that chunk later. That happens when the budget is
-    not already spent by them and the newcomer starts no later than they do (plus
+    those requests leave budget over in the step where their work ends (`step_spare`),
+    the newcomer's first chunk rides in that step and each of them gets its first token
+    that chunk later. That happens when the newcomer starts no later than they do (plus
     `slack_s`: the start is a prediction). Its `queue_s` counts their prefill work, which
     it does not wait for when it rides along, so that is taken off first (as for loads).
     """
     if not starts or recompute_tokens <= 0:
         return 0.0
     latest = -INF
-    ahead = 0
     q = queue_s
     for start, tokens in starts:
-        ahead += tokens
         q -= prefill_seconds(cost, tokens, 0, scale)
         if start > latest:
             latest = start
-    spare = cost.max_batched_tokens - decodes - ahead
+    spare = step_spare(starts, cost.max_batched_tokens - decodes)
     if spare <= 0 or q > latest + slack_s:
         return 0.0
     n = recompute_tokens if recompute_tokens < spare else spare
     return prefill_seconds(cost, n, cached_tokens, scale)
+
+
+def step_spare(starts: Sequence[tuple[float, int]], budget: int) -> int:
+    """The budget left in the step where the work of `starts` ends, `budget` tokens a step.
+    One request longer than a step ends in a later step, with what its last chunk leaves
+    (none when it fills it exactly). Several must fit in one step: where the steps fall
+    among several depends on which of them have started, itself a prediction, and
+    counting across it misplaced the boundary on a trace of many short prompts."""
+    total = 0
+    for _, tokens in starts:
+        total += tokens
+    if budget <= 0:
+        return 0
+    if len(starts) == 1 and total > budget:
+        rest = total % budget
+        return budget - rest if rest else 0
+    return budget - total
 
 
 def coschedule_seconds(

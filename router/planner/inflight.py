@@ -89,6 +89,11 @@ class InflightLedger:
         return [r for r in self.starting
                 if not r.prefilled and r.start_at is not None and r.start_at + STARTS_KEPT_S > now]
 
+    def still_loading(self, now: float) -> list[Ticket]:
+        """Tickets predicted still loading their KV at `now` (as `inflight_loads`)."""
+        return [r for r in self.loading
+                if not r.prefilled and r.ready_at is not None and r.ready_at + LOADS_KEPT_S > now]
+
     def accepted(self, r: Ticket, now: float) -> None:
         """The worker answered 200 for it: any report asked for from now on includes it."""
         if r.accepted_at is None:
@@ -160,7 +165,5 @@ class InflightLedger:
             if v.inflight_loads:
                 v.inflight_loads = ()
             return
-        keep = [r for r in self.loading
-                if not r.prefilled and r.ready_at is not None and r.ready_at + LOADS_KEPT_S > now]
-        self.loading = keep
+        keep = self.loading = self.still_loading(now)
         v.inflight_loads = tuple((r.ready_at - now, r.prefill_s) for r in keep)  # type: ignore[operator]
