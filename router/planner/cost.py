@@ -4,7 +4,7 @@
 T_prefill` without), where k is the cut between loading cached blocks (from the tier
 each sits in, or pulled from a peer) and recomputing the rest; `best_cut` evaluates
 only run ends and the prefetch kink, which is exact because the step is monotone
-within a run. `interference_seconds` prices the delay a new prefill imposes on
+within a run. `interference_delays` prices the delay a new prefill imposes on
 requests still loading their KV on that worker, `coschedule_delay` the delay its first
 chunk imposes on requests waiting for the step it would share. The derivations:
 docs/planner.md.
@@ -90,19 +90,6 @@ def memory_seconds(ctx: RequestContext, w: WorkerView, gpu_held: int, bound: flo
         return 0.0
     excess = new if used > cap else used + new - cap  # only what this request adds past capacity
     return excess / cap * max(ctx.max_tokens, 1) * c.decode_step_s
-
-
-def interference_seconds(
-    loads: Sequence[tuple[float, float]],
-    queue_s: float,
-    own_load_s: float,
-    prefill_s: float,
-    overlap: bool,
-    slack_s: float = 0.0,
-) -> float:
-    """Delay a new request imposes on the requests still loading on a worker, in total
-    (`interference_delays`, summed)."""
-    return sum(interference_delays(loads, queue_s, own_load_s, prefill_s, overlap, slack_s))
 
 
 def interference_delays(

@@ -26,7 +26,7 @@ from .cost import (
     RequestContext,
     coschedule_seconds,
     estimate_worker,
-    interference_seconds,
+    interference_delays,
     may_coschedule,
     memory_seconds,
     running_decodes,
@@ -181,9 +181,9 @@ class KVCostPolicy(PolicyBase):
         loads = w.inflight_loads
         if loads and self.interference_weight > 0.0:
             overlap = self.prefetch and w.supports_prefetch
-            t = interference_seconds(
+            t = sum(interference_delays(
                 loads, e.t_queue, e.t_load_total, e.t_prefill, overlap, self.interference_slack_s
-            )
+            ))
             e.t_interference = t
             e.score += self.interference_weight * t
         starts = w.inflight_starts

@@ -89,7 +89,7 @@ class WorkerView:
     # prefill seconds (Estimate.t_prefill). A newcomer that starts prefilling before such a
     # request's load lands takes the step budget ahead of it (the engine serves prefills in
     # the order they started), so kv_cost/kv_cost_true_state charge it that delay
-    # (cost.interference_seconds). Empty = none known (the term is then 0).
+    # (cost.interference_delays). Empty = none known (the term is then 0).
     inflight_loads: Sequence[tuple[float, float]] = ()
     # The router's in-flight requests on this worker predicted not to have started their
     # prefill yet and small enough to finish in their first step: one `(start_s,
@@ -132,7 +132,7 @@ class Estimate:
     peer_source: str | None = None  # worker to pull PEER blocks from
     load: float = 0.0  # outstanding requests (what the bounded-load guard and tie-breaks compare)
     # Delay this request would impose on requests already loading on the worker (seconds,
-    # summed over them; cost.interference_seconds), and what kv_cost ranks by:
+    # summed over them; cost.interference_delays), and what kv_cost ranks by:
     # t_ttft + interference_weight * t_interference (None = t_ttft: not computed).
     t_interference: float = 0.0
     score: float | None = None
