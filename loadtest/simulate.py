@@ -50,9 +50,8 @@ from router.planner.cost import (
     coschedule_delay,
     interference_delays,
     may_coschedule,
-    usable_blocks,
 )
-from router.planner.gateway_queue import GatewayQueue
+from router.planner.gateway_queue import GatewayQueue, prefill_size
 from router.planner.registry import make_policy
 from router.planner.types import Decision, Estimate, RouteRequest
 from workers.sim import SimEngine, SimRequest
@@ -280,9 +279,8 @@ class Simulation:
         best = 0
         if not self.true_state and digests:
             best = max((m.blocks for m in self.router.index.match(digests).values()), default=0)
-        bs = self.router.block_size
-        size = max(1, req.input_length - usable_blocks(req.input_length, best, bs) * bs)
-        gq.push(p, float(size), now, req.cache_salt or req.lora or "")
+        size = prefill_size(req.input_length, best, self.router.block_size)
+        gq.push(p, size, now, req.cache_salt or req.lora or "")
         if self._release_at != now:  # after every arrival of this instant (its kind sorts last)
             self._release_at = now
             self._push(now, _RELEASE, None)

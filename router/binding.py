@@ -49,14 +49,13 @@ class Binder:
     async def turn(self, model_id: str, size: Callable[[], float], tenant: str) -> float:
         """Return when the request may be bound; the seconds it was held (0: not held).
         `size`: its predicted prefill tokens (asked only when it is held)."""
-        target = self.cfg.hold_target_s
-        if target is None:
+        if not self.enabled:
             return 0.0
         gq = self._held.get(model_id)
-        if not gq and not _all_over(self._queues(model_id), target):
-            return 0.0
         if gq is None:
-            gq = self._held[model_id] = GatewayQueue(self.cfg.order, target, self.cfg.max_hold_s)
+            gq = self._held[model_id] = GatewayQueue(self.cfg.order, self.cfg.hold_target_s, self.cfg.max_hold_s)
+        if not gq and not gq.over_target(self._queues(model_id)):
+            return 0.0
         m = self._metrics
         if len(gq) >= self.cfg.max_held:
             m.child(m.hold_overflow, model_id).inc()
@@ -89,7 +88,7 @@ class Binder:
         now = time.monotonic()
         queues = self._queues(model_id)
         while len(gq):
-            if queues and gq.should_hold(queues, now):
+            if gq.should_hold(queues, now):
                 self._arm(model_id, gq)
                 return
             fut = gq.pop(now)
@@ -118,8 +117,3 @@ class Binder:
                 fut = gq.pop(time.monotonic())
                 if fut is not None and not fut.done():
                     fut.set_result(None)
-
-
-def _all_over(queues: list[float], target: float) -> bool:
-    """Every worker over the target (False with no worker: routing answers that case)."""
-    return bool(queues) and all(q > target for q in queues)

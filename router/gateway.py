@@ -40,6 +40,7 @@ from .observe import Observer, access
 from .passthrough import PassThrough
 from .planner.explain import explain as explain_decision
 from .planner.fleet import whole_engine_blocks
+from .planner.gateway_queue import prefill_size
 from .planner.load import queue_seconds
 from .planner.registry import make_policy, policy_params
 from .planner.types import Decision, Estimate, RouteRequest
@@ -221,10 +222,9 @@ class Gateway:
         return [queue_seconds(w.view) for w in workers]
 
     def _prefill_tokens(self, prep: Prepared) -> float:
-        """Tokens left to compute after the longest prefix any worker holds (the gateway
-        queue's shortest-first order)."""
+        """The gateway queue's size of a held request (gateway_queue.prefill_size)."""
         held = max((m.blocks for m in prep.model.index.match(prep.plan.digests).values()), default=0)
-        return float(max(1, len(prep.ids) - held * prep.model.block_size))
+        return prefill_size(len(prep.ids), held, prep.model.block_size)
 
     def _candidates(self, prep: Prepared) -> list[Worker]:
         """Healthy workers of the model that can serve the request as asked, under their caps."""

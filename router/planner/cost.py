@@ -175,14 +175,11 @@ def step_spare(starts: Sequence[tuple[float, int]], budget: int) -> int:
     (none when it fills it exactly). Several must fit in one step: where the steps fall
     among several depends on which of them have started, itself a prediction, and
     counting across it misplaced the boundary on a trace of many short prompts."""
-    total = 0
-    for _, tokens in starts:
-        total += tokens
     if budget <= 0:
         return 0
+    total = sum(tokens for _, tokens in starts)
     if len(starts) == 1 and total > budget:
-        rest = total % budget
-        return budget - rest if rest else 0
+        return (budget - total % budget) % budget
     return budget - total
 
 

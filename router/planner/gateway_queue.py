@@ -20,9 +20,11 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Iterable
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
+
+from .cost import usable_blocks
 
 T = TypeVar("T")
 ORDERS = ("fifo", "spf")
@@ -84,16 +86,21 @@ class GatewayQueue(Generic[T]):
         old = self._oldest()
         return old.arrived if old is not None else None
 
-    def should_hold(self, queues: Iterable[float], now: float) -> bool:
-        """True while nothing may be bound: late binding is on, every worker's predicted
-        queue exceeds the target and no request has waited `max_wait_s`."""
-        if self.hold_target_s is None or not self._n:
+    def over_target(self, queues: Sequence[float]) -> bool:
+        """Late binding is on and every worker's predicted queue exceeds the target (never
+        with no worker at all: there is nothing to wait for, routing answers that)."""
+        target = self.hold_target_s
+        return target is not None and bool(queues) and all(q > target for q in queues)
+
+    def should_hold(self, queues: Sequence[float], now: float) -> bool:
+        """True while nothing may be bound: every worker is over the target
+        (`over_target`) and no request has waited `max_wait_s`."""
+        if not self._n:
             return False
         old = self._oldest()
         if old is not None and now - old.arrived >= self.max_wait_s:
             return False
-        target = self.hold_target_s
-        return all(q > target for q in queues)
+        return self.over_target(queues)
 
     def pop(self, now: float) -> T | None:
         """The next request to bind: one that waited `max_wait_s` (oldest first), else the
@@ -137,3 +144,9 @@ class GatewayQueue(Generic[T]):
         if not heap:
             del self._by_tenant[h.tenant]
         return h.item
+
+
+def prefill_size(prompt_tokens: int, held_blocks: int, block_size: int) -> float:
+    """A request's size for the shortest-first order: the tokens left to compute after the
+    longest prefix any worker holds (at least one: engines compute the last token)."""
+    return float(max(1, prompt_tokens - usable_blocks(prompt_tokens, held_blocks, block_size) * block_size))
