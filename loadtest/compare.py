@@ -18,6 +18,7 @@ it on an otherwise idle host.
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import statistics
 import subprocess
@@ -91,6 +92,14 @@ def _stop(proc: subprocess.Popen[str]) -> None:
         proc.wait(timeout=5)
 
 
+def cluster_env() -> dict[str, str]:
+    """The sim cluster's environment: a fresh peer token, so its workers export blocks to
+    each other and advertise `peer_pull` (as `kvroute up` starts them). Without it the
+    gateway never plans a peer pull while the offline side does, and the two runs differ
+    in what they can reuse, not only in transport."""
+    return {**os.environ, "KVROUTE_PEER_TOKEN": secrets.token_urlsafe(24)}
+
+
 def _start_cluster(cfg: CompareConfig, log: Path) -> tuple[subprocess.Popen[str], list[str]]:
     cmd = [cfg.python, "-m", "workers.cli", "sim-cluster", "--workers", str(cfg.workers), "--profile", cfg.profile,
            "--base-port", str(cfg.base_port), "--host", "127.0.0.1", "--remote-groups", str(cfg.remote_groups)]
@@ -99,7 +108,7 @@ def _start_cluster(cfg: CompareConfig, log: Path) -> tuple[subprocess.Popen[str]
     if cfg.arrival_log:
         cmd += ["--arrival-log", cfg.arrival_log]
     proc = subprocess.Popen(cmd, cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+                            start_new_session=True, env=cluster_env())
     urls: list[str] = []
     deadline = time.monotonic() + cfg.ready_timeout_s
     assert proc.stdout is not None

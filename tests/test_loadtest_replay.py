@@ -333,3 +333,22 @@ def test_compare_can_recheck_the_offline_side_against_earlier_http_runs(tmp_path
         run_compare(trace, CompareConfig(policies=["kv_cost"], workers=2, transport="none"), out, http_from=earlier)
     with pytest.raises(TraceError, match="must not be"):
         run_compare(trace, cfg, out, http_from=out / "results.jsonl")
+
+
+def test_compare_cluster_workers_can_pull_from_each_other(tmp_path: Path) -> None:
+    """The HTTP side's workers advertise `peer_pull`, as the offline fleet has peer links:
+    otherwise the gateway never plans a peer pull and the two sides reuse different KV."""
+    import json
+    import urllib.request
+
+    from loadtest.compare import CompareConfig, _start_cluster, _stop
+
+    proc, urls = _start_cluster(CompareConfig(workers=2), tmp_path / "cluster.log")
+    try:
+        assert len(urls) == 2
+        for url in urls:
+            with urllib.request.urlopen(url + "/info", timeout=10) as r:
+                caps = json.loads(r.read())["capabilities"]
+            assert "peer_pull" in caps and "prefetch" in caps
+    finally:
+        _stop(proc)
