@@ -48,6 +48,7 @@ from router.planner.base import PolicyBase
 from router.planner.cost import (
     COSCHEDULE_SLACK_S,
     coschedule_delay,
+    coschedule_load_s,
     interference_delays,
     may_coschedule,
 )
@@ -360,21 +361,22 @@ class Simulation:
         if w is None:
             return
         ledger = w.fleet.ledger
-        ahead = ledger.not_started(now) if may_coschedule(est) else []
+        overlap = bool(getattr(self.policy, "prefetch", True)) and w.view.supports_prefetch
+        ahead = ledger.not_started(now) if may_coschedule(est, overlap) else []
         if ahead:
             v = w.view
             scale = self.policy.scales(wid)[0] if isinstance(self.policy, PolicyBase) else 1.0
             slack = float(getattr(self.policy, "coschedule_slack_s", COSCHEDULE_SLACK_S))
             starts = [(t.start_at - now, t.prefill_tokens) for t in ahead]  # type: ignore[operator]
             d = coschedule_delay(starts, v.cost, est.t_queue, est.recompute_tokens,
-                                 est.load_blocks * v.cost.block_size, v.running_requests, slack, scale)
+                                 est.load_blocks * v.cost.block_size, v.running_requests, slack, scale,
+                                 coschedule_load_s(est, overlap))
             if d > 0.0:
                 for t in ahead:
                     self._revise(t, d)
         loading = ledger.still_loading(now)
         if loading:
             loads = [(t.ready_at - now, t.prefill_s) for t in loading]  # type: ignore[operator]
-            overlap = bool(getattr(self.policy, "prefetch", True)) and w.view.supports_prefetch
             delays = interference_delays(loads, est.t_queue, est.t_load_total, est.t_prefill, overlap)
             for t, d in zip(loading, delays, strict=True):
                 if d > 0.0:

@@ -10,8 +10,10 @@ from kvindex.tiers import Tier
 from router.planner.calibration import Calibrator
 from router.planner.cost import (
     coschedule_delay,
+    coschedule_load_s,
     coschedule_seconds,
     interference_delays,
+    may_coschedule,
     prefill_seconds,
     step_spare,
 )
@@ -106,6 +108,31 @@ def test_a_newcomer_rides_in_the_last_step_of_a_prefill_longer_than_the_budget()
     assert step_spare(((0.0, 6_000), (0.001, 3_000)), budget) <= 0
     assert step_spare(((0.0, 2 * budget),), budget) == 0 and step_spare((), budget) == budget
     assert step_spare(starts, 0) == 0
+
+
+def test_a_prefetched_newcomer_rides_only_when_its_kv_lands_before_their_step() -> None:
+    c = CostParams(block_size=64, block_bytes=64 * 131072, prefill_tokens_per_s=35_000.0,
+                   prefill_attn_s_per_token2=1e-9, prefill_overhead_s=0.003, max_batched_tokens=8192,
+                   decode_step_s=0.02)
+    starts = ((0.0, 400),)
+    q = prefill_seconds(c, 400, 0)
+    plain = coschedule_delay(starts, c, q, 1000, 512, 10)
+    assert plain > 0.0
+    # a 4 ms load lands before the step in progress ends (half a 20 ms decode step): it rides
+    assert coschedule_delay(starts, c, q, 1000, 512, 10, load_s=0.004) == pytest.approx(plain)
+    # a 15 ms load is likely still arriving at the boundary: passed over, no delay
+    assert coschedule_delay(starts, c, q, 1000, 512, 10, load_s=0.015) == 0.0
+    # requests that still queue 50 ms leave it until then
+    later = ((0.05, 400),)
+    assert coschedule_delay(later, c, q, 1000, 512, 10, load_s=0.04) > 0.0
+    assert coschedule_delay(later, c, q, 1000, 512, 10, load_s=0.07) == 0.0
+    # which estimates may ride at all: no load, or (with prefetch) a load hidden in the queue
+    hidden = Estimate("w0", {Tier.CPU: 8}, 8, {Tier.CPU: 8}, {Tier.CPU: 8}, 1000, 0.02, 0.0, 0.004, 0.03, 0.05, True)
+    exposed = Estimate("w0", {Tier.CPU: 8}, 8, {Tier.CPU: 8}, {Tier.CPU: 8}, 1000, 0.0, 0.004, 0.004, 0.03, 0.034,
+                       True)
+    assert may_coschedule(hidden, overlap=True) and coschedule_load_s(hidden, True) == 0.004
+    assert not may_coschedule(hidden, overlap=False) and coschedule_load_s(hidden, False) == 0.0
+    assert not may_coschedule(exposed, overlap=True)
 
 
 def test_interference_delays_each_loading_request_by_what_overlaps_its_landing() -> None:

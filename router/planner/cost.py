@@ -126,10 +126,19 @@ def interference_delays(
 COSCHEDULE_SLACK_S = 0.02  # how late a newcomer may start and still ride in their step (a prediction)
 
 
-def may_coschedule(e: Estimate) -> bool:
-    """Could this estimate's request ride in the step of requests waiting there? Only an
-    eligible one that loads no KV first (a loading request is passed over, not batched)."""
-    return e.eligible and e.t_load_total <= 0.0
+def may_coschedule(e: Estimate, overlap: bool) -> bool:
+    """Could this estimate's request ride in the step of requests waiting there? An
+    eligible one that loads no KV first, or whose load is predicted to land while it
+    queues (`overlap`: the worker prefetches, and `t_load`, the load left on the critical
+    path, is zero). The engine passes over a request only while its KV is still arriving;
+    a short prefetched load lands before the step boundary it waits for."""
+    return e.eligible and (e.t_load_total <= 0.0 or (overlap and e.t_load <= 0.0))
+
+
+def coschedule_load_s(e: Estimate, overlap: bool) -> float:
+    """When a request that may ride (`may_coschedule`) has its KV: with prefetch, its
+    whole load counts from dispatch."""
+    return e.t_load_total if overlap else 0.0
 
 
 def coschedule_delay(
@@ -141,6 +150,7 @@ def coschedule_delay(
     decodes: int,
     slack_s: float = 0.0,
     scale: float = 1.0,
+    load_s: float = 0.0,
 ) -> float:
     """Delay a new request imposes on EACH of the requests waiting, on the same worker, for
     the step it would start in (the module doc, "co-scheduling").
@@ -152,7 +162,8 @@ def coschedule_delay(
     the newcomer's first chunk rides in that step and each of them gets its first token
     that chunk later. That happens when the newcomer starts no later than they do (plus
     `slack_s`: the start is a prediction). Its `queue_s` counts their prefill work, which
-    it does not wait for when it rides along, so that is taken off first (as for loads).
+    it does not wait for when it rides along, so that is taken off first (as for loads);
+    `load_s`: it cannot start before its prefetched KV lands (`coschedule_load_s`).
     """
     if not starts or recompute_tokens <= 0:
         return 0.0
@@ -162,6 +173,11 @@ def coschedule_delay(
         q -= prefill_seconds(cost, tokens, 0, scale)
         if start > latest:
             latest = start
+    if load_s > 0.0:
+        # Its KV must be on GPU when their step starts: at `latest` if they still queue,
+        # else at the end of the step in progress (half a decode step away, on average).
+        if load_s > (latest if latest > 0.0 else 0.0) + 0.5 * cost.decode_step_s:
+            return 0.0
     spare = step_spare(starts, cost.max_batched_tokens - decodes)
     if spare <= 0 or q > latest + slack_s:
         return 0.0
@@ -192,9 +208,10 @@ def coschedule_seconds(
     decodes: int,
     slack_s: float = 0.0,
     scale: float = 1.0,
+    load_s: float = 0.0,
 ) -> float:
     """The total of `coschedule_delay` over the requests it delays."""
-    d = coschedule_delay(starts, cost, queue_s, recompute_tokens, cached_tokens, decodes, slack_s, scale)
+    d = coschedule_delay(starts, cost, queue_s, recompute_tokens, cached_tokens, decodes, slack_s, scale, load_s)
     return len(starts) * d if d > 0.0 else 0.0
 
 

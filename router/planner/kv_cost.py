@@ -24,6 +24,7 @@ from .cost import (
     COSCHEDULE_SLACK_S,
     INF,
     RequestContext,
+    coschedule_load_s,
     coschedule_seconds,
     estimate_worker,
     interference_delays,
@@ -178,18 +179,19 @@ class KVCostPolicy(PolicyBase):
             t = memory_seconds(ctx, w, e.matched_blocks.get(Tier.GPU, 0), self.memory_bound)
             e.t_memory = t
             e.score += self.memory_weight * t
+        overlap = self.prefetch and w.supports_prefetch
         loads = w.inflight_loads
         if loads and self.interference_weight > 0.0:
-            overlap = self.prefetch and w.supports_prefetch
             t = sum(interference_delays(
                 loads, e.t_queue, e.t_load_total, e.t_prefill, overlap, self.interference_slack_s
             ))
             e.t_interference = t
             e.score += self.interference_weight * t
         starts = w.inflight_starts
-        if starts and self.coschedule_weight > 0.0 and may_coschedule(e):
+        if starts and self.coschedule_weight > 0.0 and may_coschedule(e, overlap):
             t = coschedule_seconds(starts, w.cost, e.t_queue, e.recompute_tokens, e.load_blocks * w.cost.block_size,
-                                   running_decodes(w), self.coschedule_slack_s, r.prefill_scale)
+                                   running_decodes(w), self.coschedule_slack_s, r.prefill_scale,
+                                   coschedule_load_s(e, overlap))
             e.t_coschedule = t
             e.t_interference += t
             e.score += self.coschedule_weight * t
