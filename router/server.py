@@ -80,7 +80,26 @@ def listen_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
     return sock
 
 
-class GatewayServer(uvicorn.Server):
+class ReadBeforeClose(uvicorn.Server):
+    """uvicorn's shutdown, with a pause between closing the listeners and shutting the
+    connections down. uvicorn closes a connection with no request in progress at once; one
+    accepted a moment before, whose request is already in its socket but not yet read, is
+    then reset (the unread bytes make the close an RST) and the client loses a request the
+    gateway never saw. After the pause its request is being handled, and the shutdown
+    only stops its keep-alive."""
+
+    READ_PAUSE_S = 0.05
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        for server in self.servers:
+            server.close()
+        for sock in sockets or []:
+            sock.close()
+        await asyncio.sleep(self.READ_PAUSE_S)
+        await super().shutdown(sockets)
+
+
+class GatewayServer(ReadBeforeClose):
     """uvicorn with the gateway's signals. Handlers only set flags (they run between
     bytecodes of whatever was running); `on_tick`, every 0.1 s on the loop, acts on them."""
 
@@ -135,7 +154,7 @@ class GatewayServer(uvicorn.Server):
         log.info("SIGHUP: config reloaded from %s", self.config_path, extra={"kv": diff})
 
 
-class _EmbeddedServer(uvicorn.Server):
+class _EmbeddedServer(ReadBeforeClose):
     """A uvicorn server inside someone else's loop: signals stay its owner's business."""
 
     @contextlib.contextmanager
