@@ -44,14 +44,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.planner.base import PolicyBase
-from router.planner.cost import (
-    COSCHEDULE_SLACK_S,
-    coschedule_delay,
-    coschedule_load_s,
-    interference_delays,
-    may_coschedule,
-)
+from router.planner.fleet import revision_knobs
 from router.planner.gateway_queue import GatewayQueue, prefill_size
 from router.planner.registry import make_policy
 from router.planner.types import Decision, Estimate, RouteRequest
@@ -349,38 +342,16 @@ class Simulation:
         self._fail(p, now, 429, a.last_err or "no worker took the request")
 
     def _revise_ahead(self, wid: str, est: Estimate | None, now: float) -> None:
-        """The router is about to send a request to `wid`, and revises the predictions of
-        those it sent there before that the newcomer will delay (docs/simulator.md): the
-        ones not started yet whose (last) step it rides in (cost.coschedule_delay) get
-        their first token one chunk later; the ones still loading their KV, which the engine
-        passes over while they load, wait for its prefill where it overlaps their landing
-        (cost.interference_delays)."""
-        if not self.settings.router.revise_predictions or est is None or not est.eligible:
+        """The router is about to send a request to `wid`: the predictions of those it sent
+        there before that the newcomer will delay move by that delay
+        (FleetWorker.revise_ahead, which the gateway runs too; docs/simulator.md)."""
+        if not self.settings.router.revise_predictions:
             return
         w = self.router.workers.get(wid)
         if w is None:
             return
-        ledger = w.fleet.ledger
-        overlap = bool(getattr(self.policy, "prefetch", True)) and w.view.supports_prefetch
-        ahead = ledger.not_started(now) if may_coschedule(est, overlap) else []
-        if ahead:
-            v = w.view
-            scale = self.policy.scales(wid)[0] if isinstance(self.policy, PolicyBase) else 1.0
-            slack = float(getattr(self.policy, "coschedule_slack_s", COSCHEDULE_SLACK_S))
-            starts = [(t.start_at - now, t.prefill_tokens) for t in ahead]  # type: ignore[operator]
-            d = coschedule_delay(starts, v.cost, est.t_queue, est.recompute_tokens,
-                                 est.load_blocks * v.cost.block_size, v.running_requests, slack, scale,
-                                 coschedule_load_s(est, overlap))
-            if d > 0.0:
-                for t in ahead:
-                    self._revise(t, d)
-        loading = ledger.still_loading(now)
-        if loading:
-            loads = [(t.ready_at - now, t.prefill_s) for t in loading]  # type: ignore[operator]
-            delays = interference_delays(loads, est.t_queue, est.t_load_total, est.t_prefill, overlap)
-            for t, d in zip(loading, delays, strict=True):
-                if d > 0.0:
-                    self._revise(t, d)
+        for t, d in w.fleet.revise_ahead(est, now, revision_knobs(self.policy, wid)):
+            self._revise(t, d)
 
     def _revise(self, t: Inflight, d: float) -> None:
         q = self._by_ticket.get(t)

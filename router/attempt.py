@@ -35,11 +35,21 @@ class Attempt:
     reason: str = ""  # why the policy chose this worker (its Decision's reason; "retry" on a retry)
     tries: int = 1  # this attempt's number (1: the first worker tried)
 
+    def predicted_ttft(self) -> float | None:
+        """The predicted TTFT from dispatch, with what requests the gateway sent to the same
+        worker after this one add to it (FleetWorker.revise_ahead); `predicted` is the
+        prediction as first made."""
+        if self.predicted is None:
+            return None
+        return self.predicted + self.rec.ticket.revised_s
+
     def route_headers(self) -> list[tuple[bytes, bytes]]:
-        """Which worker served, and what the planner expected (loadtest/replay.py reads these)."""
+        """Which worker served, and what the planner expected (loadtest/replay.py reads these).
+        Sent with the first token, so the prediction includes the revisions until then."""
         hdrs = [(b"x-kvroute-worker", self.worker.id.encode()), (b"x-request-id", self.prep.request_id.encode())]
-        if self.predicted is not None:
-            hdrs.append((b"x-kvroute-predicted-ttft-ms", b"%.3f" % (self.predicted * 1000)))
+        p = self.predicted_ttft()
+        if p is not None:
+            hdrs.append((b"x-kvroute-predicted-ttft-ms", b"%.3f" % (p * 1000)))
         return hdrs
 
 

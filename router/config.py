@@ -116,6 +116,9 @@ class RoutingConfig(Strict):
     # at least N): each counts its dispatches not yet in a load report this many times.
     replicas: int = Field(default=1, ge=1, le=1024)
     gateway_queue: GatewayQueueConfig = Field(default_factory=GatewayQueueConfig)
+    # Each dispatch revises the predicted TTFT of the requests sent to the same worker before
+    # it that it will delay (FleetWorker.revise_ahead); calibration learns from the revised one.
+    revise_predictions: bool = True
 
     def policy_kwargs(self) -> dict[str, Any]:
         """The policy's keyword arguments: `params`, with `max_ttft_s` when the policy takes it."""

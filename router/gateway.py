@@ -39,7 +39,7 @@ from .model import ModelRuntime, ModelTable
 from .observe import Observer, access
 from .passthrough import PassThrough
 from .planner.explain import explain as explain_decision
-from .planner.fleet import whole_engine_blocks
+from .planner.fleet import revision_knobs, whole_engine_blocks
 from .planner.gateway_queue import prefill_size
 from .planner.load import queue_seconds
 from .planner.registry import make_policy, policy_params
@@ -292,6 +292,7 @@ class Gateway:
         d = explain_decision(self.policy, rr, [w.view for w in workers])
         out = admin.explain_dict(prep, self.policy_name, d, rr, self.policy_params)
         out["gateway_queue"] = {**self.cfg.routing.gateway_queue.model_dump(), "held": self.binder.held(prep.model.id)}
+        out["revise_predictions"] = self.cfg.routing.revise_predictions
         return out
 
     # ------------------------------------------------------------------ dispatch
@@ -370,6 +371,8 @@ class Gateway:
             peer = self.pool.workers.get(d.prefetch_from_peer) if d.prefetch_from_peer else None
             pf = self.prefetcher.send(prep, d, w, rr, est, peer)
         prefill = est.recompute_tokens if est is not None and est.eligible else len(prep.ids)
+        if self.cfg.routing.revise_predictions:
+            w.fleet.revise_ahead(est, time.monotonic(), revision_knobs(self.policy, w.id))
         rec = self.pool.dispatched(w, prefill, len(prep.ids) + prep.max_tokens, est)
         try:
             await self._let_prefetch_lead(pf)

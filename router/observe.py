@@ -78,6 +78,7 @@ class Observer:
         """What the request log line and the trace span say about one request."""
         prep = a.prep
         ms = 1000.0
+        revised = a.predicted_ttft()
         return {
             "request_id": prep.request_id, "response_id": prep.rid, "tenant": prep.tenant.id,
             "model": prep.model.id, "worker": a.worker.id, "policy": self.policy_name, "reason": a.reason,
@@ -87,13 +88,14 @@ class Observer:
             "ttft_ms": None if res.t_first is None else round((res.t_first - prep.t_arrival) * ms, 2),
             "worker_ttft_ms": None if res.t_first is None else round((res.t_first - a.t_dispatch) * ms, 2),
             "predicted_ttft_ms": None if a.predicted is None else round(a.predicted * ms, 2),
+            "predicted_revised_ttft_ms": None if revised is None else round(revised * ms, 2),
             "e2e_ms": round((time.monotonic() - prep.t_arrival) * ms, 2),
             "routing_ms": round((a.t_dispatch - prep.t_arrival) * ms, 3),
         }
 
     def _calibrate(self, a: Attempt, t_first: float, kv: dict[str, Any] | None) -> None:
         # The model predicts from dispatch on (queue + load + prefill); compare like with like.
-        m, w, predicted = self.metrics, a.worker, a.predicted
+        m, w, predicted = self.metrics, a.worker, a.predicted_ttft()
         measured = t_first - a.t_dispatch
         if predicted is not None and predicted > 0:
             m.child(m.ttft_ratio, w.id).observe(measured / predicted)

@@ -322,3 +322,41 @@ async def test_answers_carry_openai_ids_and_each_served_request_counts_once() ->
         assert all(i.startswith("cmpl-") for i in ids) and ids[0] != ids[1]
         assert chat["id"].startswith("chatcmpl-")
         assert gw.pool.workers["a"].served == 3 and gw.pool.workers["a"].summary()["served"] == 3
+
+
+@pytest.mark.parametrize("revise", [True, False])
+async def test_a_later_dispatch_revises_the_prediction_sent_back_and_logged(request_log: Any, revise: bool) -> None:
+    """Each dispatch runs the worker's `revise_ahead` (routing.revise_predictions): what it
+    adds to an earlier request's ticket reaches that request's predicted-TTFT header (sent
+    with its first token) and its log line; the prediction as first made is logged beside
+    it. Here the second request is made to delay the first by one second. Catches the
+    revision not run, not read, or run with the switch off."""
+    from router.planner.fleet import FleetWorker
+
+    a = FakeWorker("a", DIGEST, first_delay_s=0.4)
+    calls: list[int] = []
+    real = FleetWorker.revise_ahead
+
+    def delay_the_first(self: FleetWorker, est: Any, now: float, knobs: Any) -> list[Any]:
+        calls.append(len(self.ledger.live))
+        out = real(self, est, now, knobs)
+        for t in self.ledger.live:  # the request in flight
+            t.revised_s += 1.0
+        return out
+
+    cfg = _cfg(routing={"policy": "kv_cost", "retries": 0, "revise_predictions": revise})
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(FleetWorker, "revise_ahead", delay_the_first)
+        async with fleet([a], cfg) as (gw, url):
+            first = asyncio.ensure_future(_post(url, BODY))
+            w = gw.pool.workers["a"]
+            await wait_until(lambda: len(w.inflight) == 1, what="first request in flight")
+            st2, _b2, h2 = await _post(url, {**BODY, "prompt": list(range(300, 340))})
+            st1, _b1, h1 = await first
+    assert st1 == st2 == 200
+    assert calls == ([0, 1] if revise else [])
+    p1, p2 = float(h1["x-kvroute-predicted-ttft-ms"]), float(h2["x-kvroute-predicted-ttft-ms"])
+    assert (p1 > 1000.0) is revise and p2 < 1000.0
+    logged = sorted((r.kv for r in request_log), key=lambda kv: kv["predicted_revised_ttft_ms"])
+    assert logged[-1]["predicted_revised_ttft_ms"] == pytest.approx(
+        logged[-1]["predicted_ttft_ms"] + (1000.0 if revise else 0.0), abs=0.02)

@@ -17,6 +17,7 @@ from router.planner.cost import (
     prefill_seconds,
     step_spare,
 )
+from router.planner.fleet import FleetWorker, RevisionKnobs, revision_knobs
 from router.planner.inflight import STARTS_KEPT_S, InflightLedger
 from router.planner.registry import make_policy
 from router.planner.types import CostParams, Estimate, RouteRequest, WorkerView
@@ -239,3 +240,36 @@ def test_one_prefill_alone_does_not_rescale_a_worker() -> None:
     assert q.factors("w")[0] == 1.0  # two samples: not yet
     q.observe("w", c, None, 0.0, kv(4000, base * 0.3))
     assert q.factors("w")[0] == pytest.approx(0.3)
+
+
+def test_a_dispatch_revises_the_requests_it_will_delay_on_that_worker() -> None:
+    """FleetWorker.revise_ahead, as the gateway and the simulator run it: a newcomer that
+    rides in the step of a request not started yet delays it by its chunk, added to that
+    request's ticket; one still loading its KV is delayed by the newcomer's prefill where
+    it overlaps the landing; no estimate (or an ineligible one) revises nothing."""
+    c = cost()
+    fw = FleetWorker(WorkerView("w0", c, running_requests=4))
+    first = Estimate("w0", {}, 0, {}, {}, 400, 0.01, 0.0, 0.0, prefill_seconds(c, 400, 0),
+                     0.01 + prefill_seconds(c, 400, 0), True)
+    t1 = fw.dispatched(10.0, 400, 500, first)
+    q2 = 0.01 + prefill_seconds(c, 400, 0)
+    second = Estimate("w0", {}, 0, {}, {}, 1000, q2, 0.0, 0.0, prefill_seconds(c, 1000, 0),
+                      q2 + prefill_seconds(c, 1000, 0), True)
+    out = fw.revise_ahead(second, 10.0, RevisionKnobs())
+    assert out == [(t1, pytest.approx(prefill_seconds(c, 1000, 0)))]
+    assert t1.revised_s == pytest.approx(prefill_seconds(c, 1000, 0))
+    assert fw.revise_ahead(None, 10.0, RevisionKnobs()) == []
+    second.eligible = False
+    assert fw.revise_ahead(second, 10.0, RevisionKnobs()) == []
+    # a request loading its KV until 10.3 s: a newcomer prefilling 10.1-10.4 s holds it 0.1 s
+    loading = Estimate("w0", {Tier.CPU: 4}, 4, {Tier.CPU: 4}, {Tier.CPU: 4}, 100, 0.0, 0.3, 0.3, 0.05, 0.35, True)
+    fw2 = FleetWorker(WorkerView("w1", c, running_requests=4))
+    t2 = fw2.dispatched(10.0, 100, 400, loading)
+    late = Estimate("w1", {}, 0, {}, {}, 9000, 0.15, 0.0, 0.0, 0.3, 0.45, True)
+    assert fw2.revise_ahead(late, 10.0, RevisionKnobs()) == [(t2, pytest.approx(0.1))]
+
+
+def test_revision_knobs_come_from_the_policy_with_defaults_for_the_baselines() -> None:
+    kc = make_policy("kv_cost", prefetch=False, coschedule_slack_s=0.005)
+    assert revision_knobs(kc, "w0") == RevisionKnobs(False, 1.0, 0.005)
+    assert revision_knobs(make_policy("round_robin"), "w0") == RevisionKnobs()

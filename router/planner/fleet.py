@@ -14,6 +14,7 @@ from kvindex.index import PrefixMatch
 from kvindex.tiers import Tier
 from kvwire import LoadReport
 
+from .cost import COSCHEDULE_SLACK_S, coschedule_delay, coschedule_load_s, interference_delays, may_coschedule
 from .inflight import InflightLedger, Ticket
 from .types import Decision, Estimate, Link, WorkerView
 
@@ -81,6 +82,24 @@ def _apply_links(v: WorkerView, rep: LoadReport, pins: Pins) -> None:
             cur.latency_s = link.latency_s
 
 
+@dataclass(frozen=True, slots=True)
+class RevisionKnobs:
+    """The policy's settings a revision of predictions uses (`revision_knobs`)."""
+
+    prefetch: bool = True  # the policy prefetches (a load then overlaps the queue)
+    scale: float = 1.0  # the worker's calibrated prefill scale
+    slack_s: float = COSCHEDULE_SLACK_S  # how late a newcomer may start and still share the step
+
+
+def revision_knobs(policy: object, worker_id: str) -> RevisionKnobs:
+    """What `FleetWorker.revise_ahead` takes from a policy, with the defaults for a policy
+    without them (the baselines neither prefetch-plan nor calibrate)."""
+    scales = getattr(policy, "scales", None)
+    return RevisionKnobs(bool(getattr(policy, "prefetch", True)),
+                         scales(worker_id)[0] if callable(scales) else 1.0,
+                         float(getattr(policy, "coschedule_slack_s", COSCHEDULE_SLACK_S)))
+
+
 @dataclass(slots=True, eq=False)
 class FleetWorker:
     """One worker as the router knows it: the planner's view, the in-flight ledger and
@@ -124,6 +143,35 @@ class FleetWorker:
 
     def accepted(self, t: Ticket, now: float) -> None:
         self.ledger.accepted(t, now)
+
+    def revise_ahead(self, est: Estimate | None, now: float, knobs: RevisionKnobs) -> list[tuple[Ticket, float]]:
+        """The router is about to send a request with estimate `est` here: the requests it
+        sent before that the newcomer will delay, each with its delay, which is added to
+        its ticket's `revised_s` (docs/planner.md, "Predictions revised by what the router
+        sends next"). Those not started whose (last) step it rides in get their first
+        token one chunk later (cost.coschedule_delay); those still loading their KV, which
+        the engine passes over while they load, wait for its prefill where it overlaps
+        their landing (cost.interference_delays)."""
+        if est is None or not est.eligible:
+            return []
+        v, led = self.view, self.ledger
+        overlap = knobs.prefetch and v.supports_prefetch
+        out: list[tuple[Ticket, float]] = []
+        ahead = led.not_started(now) if may_coschedule(est, overlap) else []
+        if ahead:
+            starts = [(t.start_at - now, t.prefill_tokens) for t in ahead]  # type: ignore[operator]
+            d = coschedule_delay(starts, v.cost, est.t_queue, est.recompute_tokens, est.load_blocks * v.cost.block_size,
+                                 v.running_requests, knobs.slack_s, knobs.scale, coschedule_load_s(est, overlap))
+            if d > 0.0:
+                out += [(t, d) for t in ahead]
+        loading = led.still_loading(now)
+        if loading:
+            loads = [(t.ready_at - now, t.prefill_s) for t in loading]  # type: ignore[operator]
+            delays = interference_delays(loads, est.t_queue, est.t_load_total, est.t_prefill, overlap)
+            out += [(t, d) for t, d in zip(loading, delays, strict=True) if d > 0.0]
+        for t, d in out:
+            t.revised_s += d
+        return out
 
     def first_token(self, t: Ticket, now: float | None = None) -> None:
         self.ledger.first_token(t, now)

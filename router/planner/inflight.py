@@ -38,6 +38,8 @@ class Ticket:
     ready_at: float | None = None  # predicted prefill start, when it loads KV from below GPU
     prefill_s: float = 0.0  # its predicted prefill seconds
     start_at: float | None = None  # predicted prefill start, when it loads nothing
+    # What later dispatches to the worker add to its predicted TTFT (FleetWorker.revise_ahead)
+    revised_s: float = 0.0
     # Ends the request's upstream connection (set by the gateway's relay; the worker died)
     abort: Callable[[], None] | None = None
 
