@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -27,10 +26,6 @@ from router.planner.cost import (
 )
 from router.planner.load import outstanding_requests, pending_prefill_tokens, queue_seconds, waiting_requests
 from router.planner.types import CostParams, Link, RouteRequest, WorkerView
-
-
-def interference_total(*args: Any, **kw: Any) -> float:
-    return sum(interference_delays(*args, **kw))
 
 
 def cost(**kw) -> CostParams:
@@ -72,21 +67,21 @@ def test_prefill_formula_hand_computed():
 def test_interference_hand_computed():
     # a 10 s prefill starting now; the loading request lands at 1 s and waits 9 s. The
     # new request's queue (0.05 s) is that request's own prefill: not really ahead of it.
-    assert interference_total([(1.0, 0.05)], 0.05, 0.0, 10.0, True) == pytest.approx(9.0)
+    assert sum(interference_delays([(1.0, 0.05)], 0.05, 0.0, 10.0, True)) == pytest.approx(9.0)
     # it starts after the load landed: the landed request is ahead of it, no delay
-    assert interference_total([(1.0, 0.0)], 2.0, 0.0, 10.0, True) == 0.0
+    assert sum(interference_delays([(1.0, 0.0)], 2.0, 0.0, 10.0, True)) == 0.0
     # its own load: overlapped with the queue (start 0.5) or after it (start 0.2 + 0.5)
-    assert interference_total([(0.6, 0.1)], 0.3, 0.5, 1.0, True) == pytest.approx(0.9)
-    assert interference_total([(0.6, 0.1)], 0.3, 0.5, 1.0, False) == 0.0
+    assert sum(interference_delays([(0.6, 0.1)], 0.3, 0.5, 1.0, True)) == pytest.approx(0.9)
+    assert sum(interference_delays([(0.6, 0.1)], 0.3, 0.5, 1.0, False)) == 0.0
     # ends before the load lands: nothing; two loads landing inside add up
-    assert interference_total([(5.0, 0.0)], 0.0, 0.0, 1.0, True) == 0.0
-    assert interference_total([(0.5, 0.0), (1.5, 0.0)], 0.0, 0.0, 2.0, True) == pytest.approx(1.5 + 0.5)
-    assert interference_total([], 0.0, 0.0, 2.0, True) == 0.0
+    assert sum(interference_delays([(5.0, 0.0)], 0.0, 0.0, 1.0, True)) == 0.0
+    assert sum(interference_delays([(0.5, 0.0), (1.5, 0.0)], 0.0, 0.0, 2.0, True)) == pytest.approx(1.5 + 0.5)
+    assert sum(interference_delays([], 0.0, 0.0, 2.0, True)) == 0.0
     # a landing predicted 10 ms before the start is within the slack: it may well land
     # late, and then it waits for the whole prefill
-    assert interference_total([(0.29, 0.0)], 0.3, 0.0, 2.0, True) == 0.0
-    assert interference_total([(0.29, 0.0)], 0.3, 0.0, 2.0, True, slack_s=0.05) == pytest.approx(2.0)
-    assert interference_total([(-0.5, 0.0)], 0.0, 0.0, 2.0, True, slack_s=0.05) == 0.0  # landed
+    assert sum(interference_delays([(0.29, 0.0)], 0.3, 0.0, 2.0, True)) == 0.0
+    assert sum(interference_delays([(0.29, 0.0)], 0.3, 0.0, 2.0, True, slack_s=0.05)) == pytest.approx(2.0)
+    assert sum(interference_delays([(-0.5, 0.0)], 0.0, 0.0, 2.0, True, slack_s=0.05)) == 0.0  # landed
 
 
 def test_load_formula_latency_once():

@@ -2,8 +2,6 @@
 the co-scheduling term (a newcomer sharing the first step of requests not started yet)."""
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
 from kvindex.tiers import Tier
@@ -21,10 +19,6 @@ from router.planner.fleet import FleetWorker, RevisionKnobs, revision_knobs
 from router.planner.inflight import STARTS_KEPT_S, InflightLedger
 from router.planner.registry import make_policy
 from router.planner.types import CostParams, Estimate, RouteRequest, WorkerView
-
-
-def interference_total(*args: Any, **kw: Any) -> float:
-    return sum(interference_delays(*args, **kw))
 
 
 def cost() -> CostParams:
@@ -146,7 +140,7 @@ def test_interference_delays_each_loading_request_by_what_overlaps_its_landing()
     assert delays == pytest.approx([0.0, 0.2, 0.0])
     # with 0.1 s of slack the first counts as landing at the start: it waits the whole prefill
     assert interference_delays(loads, 0.3, 0.0, 0.3, True, slack_s=0.1) == pytest.approx([0.3, 0.2, 0.0])
-    assert interference_total(loads, 0.3, 0.0, 0.3, True, 0.1) == pytest.approx(0.5)
+    assert sum(interference_delays(loads, 0.3, 0.0, 0.3, True, 0.1)) == pytest.approx(0.5)
     assert interference_delays((), 0.3, 0.0, 0.3, True) == []
 
 

@@ -173,11 +173,10 @@ def coschedule_delay(
         q -= prefill_seconds(cost, tokens, 0, scale)
         if start > latest:
             latest = start
-    if load_s > 0.0:
-        # Its KV must be on GPU when their step starts: at `latest` if they still queue,
-        # else at the end of the step in progress (half a decode step away, on average).
-        if load_s > (latest if latest > 0.0 else 0.0) + 0.5 * cost.decode_step_s:
-            return 0.0
+    # Its KV must be on GPU when their step starts: at `latest` if they still queue, else at
+    # the end of the step in progress (half a decode step away, on average).
+    if load_s > max(latest, 0.0) + 0.5 * cost.decode_step_s:
+        return 0.0
     spare = step_spare(starts, cost.max_batched_tokens - decodes)
     if spare <= 0 or q > latest + slack_s:
         return 0.0

@@ -182,9 +182,8 @@ class KVCostPolicy(PolicyBase):
         overlap = self.prefetch and w.supports_prefetch
         loads = w.inflight_loads
         if loads and self.interference_weight > 0.0:
-            t = sum(interference_delays(
-                loads, e.t_queue, e.t_load_total, e.t_prefill, overlap, self.interference_slack_s
-            ))
+            t = sum(interference_delays(loads, e.t_queue, e.t_load_total, e.t_prefill, overlap,
+                                        self.interference_slack_s))
             e.t_interference = t
             e.score += self.interference_weight * t
         starts = w.inflight_starts
