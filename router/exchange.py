@@ -8,7 +8,8 @@ handler task (router/relay.py) wakes once, at the end. A client write that has t
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
+import time
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 from .attempt import Attempt, Out, Result
@@ -58,7 +59,7 @@ class Exchange:
 
     __slots__ = ("relay", "a", "wid", "loop", "conn", "task", "aborted", "status", "head_fut", "whole_fut",
                  "err_body", "rest", "pending", "done", "error", "waiter", "res", "out", "render", "end", "writer",
-                 "backlog", "idle_s", "total_s", "deadline", "last", "timer", "finished")
+                 "backlog", "idle_s", "total_s", "deadline", "last", "timer", "finished", "translate")
 
     def __init__(self, relay: Relay, a: Attempt, idle_s: float, total_s: float) -> None:
         self.relay = relay
@@ -89,6 +90,7 @@ class Exchange:
         self.last = 0.0
         self.timer: asyncio.TimerHandle | None = None
         self.finished = False
+        self.translate: Callable[[bytes], bytes | None] | None = None
 
     # ---------------------------------------------------------------- upstream.Sink
 
@@ -103,6 +105,9 @@ class Exchange:
                 self.err_body += data
             return
         if self.done or self.error is not None:
+            return
+        if self.translate is not None and not self.rest and data.find(b"\n\n") == len(data) - 2 \
+                and self._token(data):
             return
         try:
             payloads = self._payloads(data)
@@ -154,9 +159,12 @@ class Exchange:
         batch, self.pending = self.pending, []
         return batch
 
-    async def stream(self, out: ClientStream, render: Render | None) -> tuple[str | None, list[bytes]]:
-        """Relay in the callback until [DONE] or an error; returns (error, parts left to write)."""
-        self.out, self.render = out, render
+    async def stream(
+        self, out: ClientStream, render: Render | None, translate: Callable[[bytes], bytes | None] | None = None
+    ) -> tuple[str | None, list[bytes]]:
+        """Relay in the callback until [DONE] or an error; returns (error, parts left to write).
+        `translate` (a streaming client's): whole token events are relayed through it."""
+        self.out, self.render, self.translate = out, render, translate
         end = self.end = self.loop.create_future()
         self.last = self.loop.time()
         self.timer = self.loop.call_at(min(self.last + self.idle_s, self.deadline), self._check)
@@ -203,6 +211,20 @@ class Exchange:
 
     # ---------------------------------------------------------------- inside the callbacks
 
+    def _token(self, event: bytes) -> bool:
+        """One whole token event relayed without decoding it (`translate`); False: not one."""
+        assert self.translate is not None
+        out = self.translate(event)
+        if out is None:
+            return False
+        self.last = self.loop.time()
+        res = self.res
+        res.chunks += 1
+        res.t_last = time.monotonic()
+        if out:
+            self._write(out)
+        return True
+
     def _payloads(self, data: bytes) -> list[bytes]:
         out, self.rest, done = sse_payloads(self.rest, data, self.wid)
         self.done = self.done or done
@@ -217,9 +239,14 @@ class Exchange:
         if err is not None or self.done:
             end.set_result((err, parts))
             return
-        if not parts:
+        if parts:
+            self._write(parts[0] if len(parts) == 1 else b"".join(parts))
+
+    def _write(self, data: bytes) -> None:
+        end = self.end
+        assert end is not None and self.out is not None
+        if end.done():
             return
-        data = parts[0] if len(parts) == 1 else b"".join(parts)
         if self.writer is not None:  # an earlier write waits for the client: keep the order
             self.backlog.append(data)
             return

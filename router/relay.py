@@ -35,6 +35,7 @@ from .responses import (
     client_usage,
     comp_response,
     sse_error,
+    token_translator,
     usage_chunk,
 )
 from .schema import api_error_from_upstream, up_chunk_decoder
@@ -264,7 +265,9 @@ class Relay:
         stream, parts = await _start_client(a, out, parts, err is not None or not ex.done)
         try:
             if err is None and not ex.done:
-                err, parts = await ex.stream(stream, render)
+                translate = token_translator(prep.chat, prep.rid, prep.created, prep.model_name) if prep.stream \
+                    else None
+                err, parts = await ex.stream(stream, render, translate)
             if err is not None:
                 await _raise_mid_stream(w.id, err, stream, parts)
         except UpstreamError as e:
