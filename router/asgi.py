@@ -16,6 +16,7 @@ from starlette.types import Receive, Scope, Send
 from kvwire.linger import drain
 
 from .attempt import JSON_HEADERS
+from .direct_body import DirectBody
 from .errors import ApiError, bad_request, too_large
 
 __all__ = ["AsgiOut", "ClientGone", "Receive", "Scope", "Send", "headers_of", "read_body", "watch_disconnect"]
@@ -23,24 +24,33 @@ _enc = msgspec.json.Encoder()
 
 
 class AsgiOut:
-    """`Out` over ASGI send; remembers whether the response has started."""
+    """`Out` over ASGI send; remembers whether the response has started. A stream's
+    middle parts go straight to the connection where the server allows it
+    (router/direct_body.py)."""
 
-    __slots__ = ("send", "started", "status", "sse")
+    __slots__ = ("send", "started", "status", "sse", "direct")
 
     def __init__(self, send: Send) -> None:
         self.send = send
         self.started = False
         self.status = 0
         self.sse = False
+        self.direct: DirectBody | None = None
 
     async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self.started = True
         self.status = status
         self.sse = any(k == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers)
         await self.send({"type": "http.response.start", "status": status, "headers": headers})
+        if self.sse:
+            self.direct = DirectBody.attach(self.send)
 
     async def body(self, data: bytes, more: bool = False) -> None:
         await self.send({"type": "http.response.body", "body": data, "more_body": more})
+
+    def write_now(self, data: bytes) -> bool:
+        d = self.direct
+        return d is not None and d.write(data)
 
     async def json(self, status: int, obj: Any, extra: list[tuple[bytes, bytes]] | None = None) -> None:
         await self.start(status, JSON_HEADERS + (extra or []))

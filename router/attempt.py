@@ -20,6 +20,10 @@ class Out(Protocol):
     async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None: ...
     async def body(self, data: bytes, more: bool = False) -> None: ...
 
+    def write_now(self, data: bytes) -> bool:
+        """Write a middle part of a started body at once, if that needs no wait; False: use `body`."""
+        ...
+
 
 @dataclass(slots=True)
 class Attempt:

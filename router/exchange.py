@@ -35,11 +35,16 @@ class ClientStream:
             await self.out.start(200, self.headers)
             self.started = True
         if parts or not more:
-            await self.out.body(b"".join(parts), more)
+            data = b"".join(parts)
+            if not more or not self.out.write_now(data):
+                await self.out.body(data, more)
 
     def write_now(self, data: bytes) -> tuple[Coroutine[Any, Any, None], Any] | None:
-        """Write from a callback: the server's send runs to its end here unless it has to wait
-        (flow control), in which case (the coroutine, what it waits on) is returned to finish."""
+        """Write from a callback: written at once, or the server's send runs to its end here
+        unless it has to wait (flow control), in which case (the coroutine, what it waits
+        on) is returned to finish."""
+        if self.out.write_now(data):
+            return None
         coro = self.out.body(data, True)
         try:
             waits_on = coro.send(None)
