@@ -16,6 +16,7 @@ Results and what they mean: docs/performance.md ("Floors and alternatives").
 Everything listens on 127.0.0.1 and is stopped at exit.
 
     .venv/bin/python bench/bench_floors.py [--rounds 3] [--seconds 12]
+    .venv/bin/python bench/bench_floors.py --max-tokens 512 --rate 20 --seconds 10 --with-sglang --fleet-only
 """
 from __future__ import annotations
 
@@ -174,13 +175,14 @@ def _server(procs: rc.Procs, mode: str, upstreams: list[str]) -> rc.Target:
     return rc.Target(mode, f"http://127.0.0.1:{port}", p)
 
 
-def _rounds(targets: list[rc.Target], workers: list[str], rounds: int, seconds: float) -> None:
-    base = {"systems": 8, "system_words": 200, "user_words": 40, "request_timeout_s": 60.0}
+def _rounds(targets: list[rc.Target], workers: list[str], rounds: int, seconds: float, rate: float = 300.0,
+            max_tokens: int = 8) -> None:
+    base = {"systems": 8, "system_words": 200, "user_words": 40, "request_timeout_s": 60.0, "max_tokens": max_tokens}
     for t in targets:
-        rc._drive(t, workers, {**base, "seed": 999, "rate": 50.0, "seconds": 2.0, "max_tokens": 8})
+        rc._drive(t, workers, {**base, "seed": 999, "rate": min(rate, 50.0), "seconds": 2.0})
     for rnd in range(rounds):
         for t in targets if rnd % 2 == 0 else targets[::-1]:
-            r = rc._drive(t, workers, {**base, "seed": rnd, "rate": 300.0, "seconds": seconds, "max_tokens": 8})
+            r = rc._drive(t, workers, {**base, "seed": rnd, "rate": rate, "seconds": seconds})
             print(f"  round {rnd + 1}: {t.name:18s} CPU {r['cpu_us']:7,.0f} µs/req  kernel {100 * r['sys_share']:3.0f}%"
                   f"  TTFT p50 {r['p50'] * 1000:6.1f} ms  errors {sum(r['errors'].values())}", flush=True)
             time.sleep(1.0)
@@ -192,21 +194,29 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=12.0)
+    ap.add_argument("--rate", type=float, default=300.0, help="requests/s in front of the fleet")
+    ap.add_argument("--max-tokens", type=int, default=8, help="max_tokens in front of the fleet (512: long streams)")
+    ap.add_argument("--with-sglang", action="store_true", help="add sglang-router cache_aware in front of the fleet")
+    ap.add_argument("--fleet-only", action="store_true", help="skip the trivial SSE servers (comparison 2)")
     a = ap.parse_args()
     procs = rc.Procs()
     try:
         with tempfile.TemporaryDirectory(prefix="bench-floors-") as td:
             workers = rc._start_fleet(procs, 4)
-            splice = _server(procs, "splice", workers)
-            kv = rc._kvroute(procs, Path(td), "kv_cost", workers)
-            raw, uv = _server(procs, "raw", []), _server(procs, "uvicorn", [])
-            for t in (splice, kv, raw, uv):
+            fleet = [_server(procs, "splice", workers), rc._kvroute(procs, Path(td), "kv_cost", workers)]
+            py = rc._peers_python() if a.with_sglang else None
+            if py is not None:
+                fleet.append(rc._peer(procs, Path(td), py, "sglang", "cache_aware", workers))
+            trivial = [] if a.fleet_only else [_server(procs, "raw", []), _server(procs, "uvicorn", [])]
+            for t in fleet + trivial:
                 if not asyncio.run(rc._ready(t, 90.0)):
                     raise SystemExit(f"{t.name} did not start")
-            print("1. in front of 4 simulated workers: a byte splice and kvroute kv_cost", flush=True)
-            _rounds([splice, kv], workers, a.rounds, a.seconds)
-            print("2. a trivial SSE server (10 events, 5 ms apart): raw protocol and uvicorn", flush=True)
-            _rounds([raw, uv], [], a.rounds, a.seconds)
+            print(f"1. in front of 4 simulated workers ({a.rate:g} req/s, max_tokens {a.max_tokens}): "
+                  + ", ".join(t.name for t in fleet), flush=True)
+            _rounds(fleet, workers, a.rounds, a.seconds, a.rate, a.max_tokens)
+            if trivial:
+                print("2. a trivial SSE server (10 events, 5 ms apart): raw protocol and uvicorn", flush=True)
+                _rounds(trivial, [], a.rounds, a.seconds)
     finally:
         procs.stop()
     return 0
