@@ -213,7 +213,8 @@ class Procs:
 
     def start(self, argv: list[str], log: Path | None, **kw: Any) -> subprocess.Popen[Any]:
         out = open(log, "wb") if log is not None else subprocess.DEVNULL
-        p = subprocess.Popen(argv, cwd=ROOT, stdout=kw.pop("stdout", out), stderr=out, start_new_session=True, **kw)
+        p = subprocess.Popen(argv, cwd=kw.pop("cwd", ROOT), stdout=kw.pop("stdout", out), stderr=out,
+                             start_new_session=True, **kw)
         self.procs.append(p)
         return p
 
@@ -258,10 +259,11 @@ def _peers_python() -> Path | None:
     return py
 
 
-def _start_fleet(procs: Procs, workers: int) -> list[str]:
+def _start_fleet(procs: Procs, workers: int, cwd: Path = ROOT) -> list[str]:
+    """The simulated fleet, run from the tree at `cwd`; its workers' URLs."""
     p = procs.start([sys.executable, "-m", "workers.cli", "sim-cluster", "--workers", str(workers), "--profile",
                      PROFILE, "--base-port", "0", "--host", "127.0.0.1", "--tokenizer", str(TOKENIZER),
-                     "--log-level", "WARNING"], None, stdout=subprocess.PIPE)
+                     "--log-level", "WARNING"], None, stdout=subprocess.PIPE, cwd=cwd)
     urls = []
     assert p.stdout is not None
     for raw in p.stdout:
@@ -275,7 +277,8 @@ def _start_fleet(procs: Procs, workers: int) -> list[str]:
     return urls
 
 
-def _kvroute(procs: Procs, tmp: Path, policy: str, workers: list[str]) -> Target:
+def _kvroute(procs: Procs, tmp: Path, policy: str, workers: list[str], cwd: Path = ROOT) -> Target:
+    """`kvroute serve` with `policy` in front of `workers`, run from the tree at `cwd`."""
     import yaml
 
     port = free_port()
@@ -289,7 +292,7 @@ def _kvroute(procs: Procs, tmp: Path, policy: str, workers: list[str]) -> Target
     path = tmp / f"kvroute-{policy}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     log = tmp / f"kvroute-{policy}.log"
-    p = procs.start([sys.executable, "-m", "kvroute.cli", "serve", "--config", str(path)], log)
+    p = procs.start([sys.executable, "-m", "kvroute.cli", "serve", "--config", str(path)], log, cwd=cwd)
     return Target(f"kvroute {policy}", f"http://127.0.0.1:{port}", p, log)
 
 
