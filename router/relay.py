@@ -29,13 +29,13 @@ from .proxy import JSON_SSE, UpstreamError, UpstreamStream, open_stream
 from .responses import (
     SSE_DONE,
     STREAM_FAILED,
+    ChunkFrame,
     chat_first_chunk,
     chat_response,
     chunk_renderer,
     client_usage,
     comp_response,
     sse_error,
-    token_translator,
     usage_chunk,
 )
 from .schema import api_error_from_upstream, up_chunk_decoder
@@ -252,7 +252,8 @@ class Relay:
     async def _relay_fast(self, a: Attempt, ex: Exchange, batch: list[bytes], out: Out) -> int:
         prep, w = a.prep, a.worker
         res = ex.res
-        render = chunk_renderer(prep.chat, prep.rid, prep.created, prep.model_name) if prep.stream else None
+        frame = ChunkFrame(prep.chat, prep.rid, prep.created, prep.model_name) if prep.stream else None
+        render = frame.render if frame is not None else None
         err: str | None = None
         if not batch and ex.done:
             raise UpstreamError(f"worker {w.id} ended the stream without any chunk", True, phase="first")
@@ -265,9 +266,7 @@ class Relay:
         stream, parts = await _start_client(a, out, parts, err is not None or not ex.done)
         try:
             if err is None and not ex.done:
-                translate = token_translator(prep.chat, prep.rid, prep.created, prep.model_name) if prep.stream \
-                    else None
-                err, parts = await ex.stream(stream, render, translate)
+                err, parts = await ex.stream(stream, render, frame.translate if frame is not None else None)
             if err is not None:
                 await _raise_mid_stream(w.id, err, stream, parts)
         except UpstreamError as e:
@@ -279,7 +278,7 @@ class Relay:
     ) -> tuple[str | None, list[bytes]]:
         """Fold upstream chunks into the result; returns (error message or None, client SSE parts).
 
-        `render` (responses.chunk_renderer, None for a non-streaming client) turns each
+        `render` (responses.ChunkFrame.render, None for a non-streaming client) turns each
         choice into the client's chunk; the caller writes the parts in one go."""
         parts: list[bytes] = []
         now = time.monotonic()

@@ -82,60 +82,62 @@ def comp_chunk(rid: str, created: int, model: str, text: str, finish: str | None
     return sse(CompChunk(rid, _COMP, created, model, [CompChunkChoice(0, text, finish)]))
 
 
-def _chunk_frame(chat: bool, rid: str, created: int, model: str) -> tuple[bytes, bytes, bytes]:
-    """A client chunk's constant parts for one request: (up to the text, between the text
-    and a finish reason, the rest when there is none)."""
-    head = _enc.encode(ChatChunk(rid, _CHAT, created, model, []) if chat else CompChunk(rid, _COMP, created, model, []))
-    assert head.endswith(b"[]}")
-    pre = b"data: " + head[:-2] + (b'{"index":0,"delta":{"content":' if chat else b'{"index":0,"text":')
-    mid = b'},"finish_reason":' if chat else b',"finish_reason":'
-    return pre, mid, mid + b'null,"logprobs":null}]}\n\n'
-
-
-def chunk_renderer(chat: bool, rid: str, created: int, model: str) -> Callable[[str, str | None], bytes]:
-    """`chat_chunk` / `comp_chunk` for one request, its constant parts encoded once: per
-    chunk only the text (and a finish reason) is encoded. Byte for byte the same output."""
-    pre, mid, tail_null = _chunk_frame(chat, rid, created, model)
-    enc = _enc.encode
-
-    def render(text: str, finish: str | None) -> bytes:
-        if finish is None:
-            return pre + enc(text) + tail_null
-        return pre + enc(text) + mid + enc(finish) + b',"logprobs":null}]}\n\n'
-
-    return render
-
-
 # Our worker's token event (docs/wire.md, "Token events"): its text sits between these two,
 # already a JSON string.
 _UP_TEXT = b',"choices":[{"index":0,"text":'
 _UP_TAIL = b',"logprobs":null,"finish_reason":null}]}\n\n'
+_CUT_TEXT, _CUT_TAIL = len(_UP_TEXT), -len(_UP_TAIL)
 
 
-def token_translator(chat: bool, rid: str, created: int, model: str) -> Callable[[bytes], bytes | None]:
-    """One whole upstream SSE event -> the client's chunk for it, as `chunk_renderer` would
-    render it, when the event is our worker's plain token event; None for anything else
-    (finish, usage, errors, another layout), which the caller decodes instead.
+class ChunkFrame:
+    """A streaming client's chunks for one request, their constant parts encoded once:
+    `render` encodes only the text (and a finish reason), `translate` copies a token
+    event's text as our worker encoded it. The relay builds one per request for both."""
 
-    The text is copied as the worker encoded it, not decoded and encoded again: a long
-    stream's per-token cost. It is taken only when the span holds no quote but its own
-    two, so an unexpected structure can never be mistaken for text. b"" is an empty text
-    (nothing to send)."""
-    pre, _, tail_null = _chunk_frame(chat, rid, created, model)
-    cut_text, cut_tail = len(_UP_TEXT), -len(_UP_TAIL)
+    __slots__ = ("pre", "mid", "tail_null")
 
-    def translate(event: bytes) -> bytes | None:
+    def __init__(self, chat: bool, rid: str, created: int, model: str) -> None:
+        head = _enc.encode(ChatChunk(rid, _CHAT, created, model, []) if chat
+                           else CompChunk(rid, _COMP, created, model, []))
+        assert head.endswith(b"[]}")
+        self.pre = b"data: " + head[:-2] + (b'{"index":0,"delta":{"content":' if chat else b'{"index":0,"text":')
+        self.mid = b'},"finish_reason":' if chat else b',"finish_reason":'
+        self.tail_null = self.mid + b'null,"logprobs":null}]}\n\n'
+
+    def render(self, text: str, finish: str | None) -> bytes:
+        """`chat_chunk` / `comp_chunk`, byte for byte."""
+        if finish is None:
+            return self.pre + _enc.encode(text) + self.tail_null
+        return self.pre + _enc.encode(text) + self.mid + _enc.encode(finish) + b',"logprobs":null}]}\n\n'
+
+    def translate(self, event: bytes) -> bytes | None:
+        """One whole upstream SSE event -> the client's chunk for it, as `render` would
+        write it, when the event is our worker's plain token event; None for anything else
+        (finish, usage, errors, another layout), which the caller decodes instead.
+
+        The text is copied as the worker encoded it, not decoded and encoded again: a long
+        stream's per-token cost. It is taken only when the span holds no quote but its own
+        two, so an unexpected structure can never be mistaken for text. b"" is an empty
+        text (nothing to send)."""
         if not event.endswith(_UP_TAIL):
             return None
         i = event.find(_UP_TEXT)
         if i < 0:
             return None
-        text = event[i + cut_text : cut_tail]
+        text = event[i + _CUT_TEXT : _CUT_TAIL]
         if text.count(b'"') != 2 or text[:1] != b'"' or text[-1:] != b'"':
             return None
-        return pre + text + tail_null if len(text) > 2 else b""
+        return self.pre + text + self.tail_null if len(text) > 2 else b""
 
-    return translate
+
+def chunk_renderer(chat: bool, rid: str, created: int, model: str) -> Callable[[str, str | None], bytes]:
+    """`ChunkFrame.render` for one request."""
+    return ChunkFrame(chat, rid, created, model).render
+
+
+def token_translator(chat: bool, rid: str, created: int, model: str) -> Callable[[bytes], bytes | None]:
+    """`ChunkFrame.translate` for one request."""
+    return ChunkFrame(chat, rid, created, model).translate
 
 
 def usage_chunk(chat: bool, rid: str, created: int, model: str, usage: dict[str, Any]) -> bytes:
