@@ -34,6 +34,11 @@ Buffer = bytes | memoryview
 _EXPORTED_AS = {"stored": "blocks_stored", "removed": "blocks_removed"}
 
 
+# How often an idle subscriber wakes to see whether a tail probe is due: each wakeup is a
+# pyzmq poll (futures, a poller), a gateway's main idle cost with a few workers.
+IDLE_POLL_MS = 1000
+
+
 @dataclass(slots=True)
 class WorkerHealth:
     """Counters of one subscriber (docs/ingest.md describes each exported field)."""
@@ -207,7 +212,7 @@ class WorkerSubscriber:
                 self.joined = True
         while not self._closed:
             try:
-                if not await sub.poll(250):  # idle: maybe probe the tail, then wait again
+                if not await sub.poll(IDLE_POLL_MS):  # idle: maybe probe the tail, then wait again
                     await self._maybe_probe()
                     continue
                 frames = await sub.recv_multipart(copy=False)

@@ -134,10 +134,18 @@ def state_gauges(pool: WorkerPool, models: ModelTable, ingest: PoolIngest | None
     state = GaugeMetricFamily("kvroute_worker_state", "Worker state (1 for its current state)",
                               labels=["worker", "state"])
     inflight = GaugeMetricFamily("kvroute_worker_inflight", "Router-tracked in-flight requests", labels=["worker"])
+    speed = GaugeMetricFamily("kvroute_worker_speed_state",
+                              "Where the worker's speeds stand (1 for its state: probing, fitted, drifting)",
+                              labels=["worker", "state", "source"])
+    conf = GaugeMetricFamily("kvroute_worker_speed_confidence", "Confidence in the fitted speeds (0..1)",
+                             labels=["worker"])
     for w in pool.workers.values():
         health.add_metric([w.id, w.model.id], 1.0 if w.state is State.HEALTHY else 0.0)
         state.add_metric([w.id, w.state.value], 1.0)
         inflight.add_metric([w.id], float(len(w.inflight)))
+        sp = speeds_summary(w)
+        speed.add_metric([w.id, str(sp["state"]), str(sp["source"])], 1.0)
+        conf.add_metric([w.id], float(sp["confidence"]))
     blocks = GaugeMetricFamily("kvroute_index_blocks", "Distinct blocks in the prefix index", labels=["model"])
     entries = GaugeMetricFamily("kvroute_index_entries", "(block, worker, tier) index entries", labels=["model"])
     cache = GaugeMetricFamily("kvroute_tokenize_cache_tokens", "Tokens held by the prefix-tokenization cache",
@@ -149,7 +157,19 @@ def state_gauges(pool: WorkerPool, models: ModelTable, ingest: PoolIngest | None
         entries.add_metric([rt.id], float(rt.index.entries()))
         cache.add_metric([rt.id], float(rt.tokenizer.cache.tokens))
         hits.add_metric([rt.id], float(rt.tokenizer.cache.stats.hit_tokens))
-    fams: list[Metric] = [health, state, inflight, blocks, entries, cache, hits]
+    fams: list[Metric] = [health, state, inflight, speed, conf, blocks, entries, cache, hits]
     if ingest is not None:
         fams += list(ingest.metric_families())
     return fams
+
+
+def speeds_summary(w: Any) -> dict[str, Any]:
+    """Where a worker's speeds come from and how sure the router is of them."""
+    sp = w.fleet.speed
+    out: dict[str, Any] = sp.summary() if sp is not None else {"state": "probing", "confidence": 0.0, "samples": 0}
+    out["source"] = "fitted" if w.view.speeds_fitted else "stated" if w.view.speeds_known else "defaults"
+    c = w.view.cost
+    out["in_use"] = {"prefill_tokens_per_s": round(c.prefill_tokens_per_s, 1),
+                     "prefill_overhead_ms": round(c.prefill_overhead_s * 1e3, 3),
+                     "decode_step_ms": round(c.decode_step_s * 1e3, 3)}
+    return out

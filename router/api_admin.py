@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 from pydantic import ValidationError
 
+from . import admin
 from .admin_policy import check_new_worker
 from .config import format_validation_error
 from .errors import ApiError, bad_request, not_found
@@ -28,6 +29,7 @@ def workers(gw: Gateway) -> dict[str, Any]:
 def _summary(gw: Gateway, w: Any) -> dict[str, Any]:
     d: dict[str, Any] = w.summary()
     d["key_fidelity"] = gw.fidelity.summary(w.id)
+    d["speeds"] = admin.speeds_summary(w)
     return d
 
 

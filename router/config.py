@@ -220,6 +220,10 @@ class AdminConfig(Strict):
         return v
 
 
+KVROUTE_POLL_S = 0.1
+METRICS_POLL_S = 1.0
+
+
 class PoolConfig(Strict):
     """Worker health, the circuit breaker, and the timeouts of a request upstream.
 
@@ -230,14 +234,23 @@ class PoolConfig(Strict):
     in a row: out of routing for `breaker_open_s` (doubling while trials fail, up to
     `breaker_max_open_s`), its index entries kept."""
 
-    load_poll_interval_s: float = Field(default=0.1, gt=0)
+    # None: 0.1 s for our workers' `/load` (a few hundred bytes), 1 s for a vLLM server's
+    # `/metrics` (~50 KB it renders in Python for each poll; the gateway's own ledger
+    # covers what it sent between polls).
+    load_poll_interval_s: float | None = Field(default=None, gt=0)
+
+    def poll_interval_s(self, kind: str) -> float:
+        if self.load_poll_interval_s is not None:
+            return self.load_poll_interval_s
+        return KVROUTE_POLL_S if kind == "kvroute" else METRICS_POLL_S
     health_interval_s: float = Field(default=1.0, gt=0)
     unhealthy_after: int = Field(default=3, ge=1)  # consecutive failed health probes
     unhealthy_min_s: float = Field(default=3.0, ge=0)  # ... failing for at least this long
     breaker_failures: int = Field(default=5, ge=1)
     breaker_open_s: float = Field(default=1.0, gt=0)
     breaker_max_open_s: float = Field(default=30.0, gt=0)
-    connect_timeout_s: float = Field(default=1.0, gt=0)
+    # Slow to accept is overload (the breaker does not count it), so the bound is generous.
+    connect_timeout_s: float = Field(default=5.0, gt=0)
     # First byte: the predicted TTFT times `first_byte_factor`, never under `first_byte_min_s`.
     first_byte_min_s: float = Field(default=30.0, gt=0)
     first_byte_factor: float = Field(default=4.0, ge=1)

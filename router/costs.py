@@ -47,3 +47,10 @@ def pins(over: CostConfig | None) -> Pins:
         speeds=frozenset(f for f in SPEED_FIELDS if getattr(over, f) is not None),
         tiers=frozenset(TIER_BY_NAME[k] for k in over.links),
     )
+
+
+def speeds_stated(model: ModelRuntime, over: CostConfig | None, kind: str) -> bool:
+    """Whether anyone stated this worker's prefill speed: our workers report what they
+    measure, a model profile or a `cost:` block gives one; otherwise only the router's
+    defaults are known until the worker is measured (router/speed_probe.py)."""
+    return kind == "kvroute" or bool(model.cost.merged(over).prefill_tokens_per_s)

@@ -22,7 +22,7 @@ from typing import Any
 import aiohttp
 from prometheus_client.core import Metric
 
-from . import admin
+from . import admin, upstream
 from .admin_policy import LOOPBACK_HOSTS
 from .attempt import Attempt, Out
 from .binding import Binder
@@ -100,7 +100,8 @@ class Gateway:
             where = "local clients only" if cfg.listen.host in LOOPBACK_HOSTS else "disabled"
             log.warning("no admin_token: the admin API is %s (listening on %s)", where, cfg.listen.host)
         conn = aiohttp.TCPConnector(
-            limit=cfg.pool.max_connections, limit_per_host=0, keepalive_timeout=30.0, enable_cleanup_closed=True
+            limit=cfg.pool.max_connections, limit_per_host=0, keepalive_timeout=upstream.MAX_IDLE_S,
+            enable_cleanup_closed=True,
         )
         self.session = aiohttp.ClientSession(connector=conn, auto_decompress=False)
         self.ingest = PoolIngest()
@@ -293,6 +294,10 @@ class Gateway:
         out = admin.explain_dict(prep, self.policy_name, d, rr, self.policy_params)
         out["gateway_queue"] = {**self.cfg.routing.gateway_queue.model_dump(), "held": self.binder.held(prep.model.id)}
         out["revise_predictions"] = self.cfg.routing.revise_predictions
+        out["speeds"] = {w.id: admin.speeds_summary(w) for w in workers}
+        if d.reason == "speeds_unknown":
+            out["note"] = ("speeds of " + ", ".join(w.id for w in workers if not w.view.speeds_known)
+                           + " not measured yet: routed by cache affinity and load")
         return out
 
     # ------------------------------------------------------------------ dispatch

@@ -13,8 +13,10 @@ from typing import Any
 from kvindex.index import PrefixMatch
 
 from .attempt import Attempt, Result
-from .fidelity import KeyFidelity, Sample
+from .fidelity import KeyFidelity
+from .fidelity import Sample as FidelitySample
 from .metrics import GatewayMetrics
+from .planner.speedfit import Sample
 from .planner.types import Policy
 from .prefetch import Prefetch
 from .recorder import TraceRecorder
@@ -60,6 +62,8 @@ class Observer:
                 m.child(m.matched_tokens, tier.name).inc(n * prep.model.block_size)
         if res.t_first is not None:
             self._calibrate(a, res.t_first, kv)
+            if ok:
+                self._speed_sample(a, res)
         if a.prefetch is not None:
             self._prefetch_outcome(a.prefetch, w, kv)
         if ok:
@@ -105,6 +109,17 @@ class Observer:
         except Exception:  # calibration must never fail a request
             log.exception("policy.observe failed")
 
+    @staticmethod
+    def _speed_sample(a: Attempt, res: Result) -> None:
+        """A request that found nothing ahead of it and loaded nothing from below GPU
+        measures its worker's speed (router/planner/speedfit.py)."""
+        t = a.rec.ticket
+        if not t.clean or t.ready_at is not None or res.cached_tokens is None or res.t_first is None:
+            return
+        n = res.prompt_tokens or len(a.prep.ids)
+        a.worker.fleet.speed_sample(Sample(n - res.cached_tokens, res.cached_tokens, t.running,
+                                           res.t_first - a.t_dispatch))
+
     def _prefetch_outcome(self, pf: Prefetch, w: Worker, kv: dict[str, Any] | None) -> None:
         m = self.metrics
         used = kv.get("prefetched_tokens", 0) if kv else 0
@@ -122,16 +137,29 @@ class Observer:
         if theirs is None:
             return
         w, n = a.worker, len(a.prep.ids)
-        sample = Sample(theirs - n, None, max(w.block_size, 1))
+        sample = FidelitySample(theirs - n, None, max(w.block_size, 1))
         if w.kind == "vllm" and res.cached_tokens is not None:
-            sample.cached_diff = res.cached_tokens - predicted_cached_tokens(match, a.prep.model.block_size,
-                                                                             w.block_size, n)
+            bs = a.prep.model.block_size
+            sample.cached_diff = res.cached_tokens - predicted_cached_tokens(match, bs, w.block_size, n)
+            if sample.cached_diff >= sample.cached_tolerance:
+                # More cached than predicted: a concurrent request's blocks whose events had
+                # not arrived when this one was routed. Only the index as it is now, with
+                # those events in, can tell event lag from a worker keyed differently.
+                sample.cached_diff = min(sample.cached_diff, res.cached_tokens - predicted_cached_tokens(
+                    self._match_now(a), bs, w.block_size, n))
         m = self.metrics
         if sample.prompt_diff:
             m.child(m.key_prompt_mismatch, w.id).inc()
         if sample.cached_diff is not None:
             m.child(m.key_cached_drift, w.id).observe(abs(sample.cached_diff))
         self.fidelity.record(w.id, sample)
+
+    @staticmethod
+    def _match_now(a: Attempt) -> PrefixMatch | None:
+        """The index's match for this request's prompt on its worker at this moment."""
+        plan, w = a.prep.plan, a.worker
+        digests = plan.vllm_digests if plan.vllm_digests is not None else plan.digests
+        return a.prep.model.index.match(digests, (w.id,), include_draining=True).get(w.id)
 
 
 def predicted_cached_tokens(match: PrefixMatch | None, index_block: int, worker_block: int, prompt_tokens: int) -> int:

@@ -3,7 +3,7 @@
 Each worker has one monitor task. It registers the worker (kvroute: `/info`, whose
 namespace digest and block size must match the model's; vLLM: everything from
 config), adds it to the model's prefix index and to KV-event ingestion, then polls its
-load every `pool.load_poll_interval_s` and its `/health` every
+load every `pool.load_poll_interval_s` (by default 0.1 s for ours, 1 s for vLLM's `/metrics`) and its `/health` every
 `pool.health_interval_s`. `pool.unhealthy_after` consecutive failures, or one refused
 connection on a request, take it out of routing and drop its index entries (a dead
 worker's cache is not trusted); when it answers again it is registered afresh. Health
@@ -28,18 +28,24 @@ from kvindex.index import IndexError_
 
 from .breaker import Breaker
 from .config import PoolConfig
-from .costs import cost_params, pins
+from .costs import cost_params, pins, speeds_stated
 from .fleetconfig import EventsConfig, WorkerConfig
 from .model import ModelRuntime
 from .planner.fleet import FleetWorker
 from .planner.inflight import InflightLedger
 from .planner.types import Estimate, WorkerView
 from .probe import BadAnswer, Probe
+from .speed_probe import probe_speeds
 from .worker import Inflight, State, Worker
 
 log = logging.getLogger("kvroute.pool")
 
 _SELF_DRAINING = "worker reports draining"
+
+
+# How often a registered worker's `/v1/models` is checked again (a process serving another
+# model on the same address); a restart is seen at once, as a failed probe or poll.
+IDENTITY_EVERY_S = 10.0
 
 
 class IngestLike(Protocol):
@@ -204,25 +210,29 @@ class WorkerPool:
 
     async def _monitor(self, w: Worker) -> None:
         cfg = self.cfg
-        next_health = 0.0
+        next_health = next_identity = 0.0
         while not self._closed:
             try:
                 if w.state in (State.PENDING, State.UNHEALTHY, State.REFUSED):
                     if await self._register(w):
+                        if not w.view.speeds_known:
+                            await probe_speeds(self.session, w, w.model.tokenizer.vocab_size)
                         next_health = time.monotonic() + cfg.health_interval_s
                         continue
                     await asyncio.sleep(cfg.health_interval_s * (5 if w.state is State.REFUSED else 1))
                     continue
                 now = time.monotonic()
-                await self._poll_load(w)  # a failed poll leaves the view stale, never unhealthy
+                polled = await self._poll_load(w)  # a failed poll leaves the view stale, never unhealthy
                 if now >= next_health:
                     next_health = now + cfg.health_interval_s
-                    if await self._check_health(w):
-                        if await self._check_identity(w):
+                    # A vLLM server that just answered `/metrics` is alive: its `/health` says no more.
+                    if (polled and w.kind != "kvroute") or await self._check_health(w):
+                        if now < next_identity or await self._check_identity(w):
                             w.fails = 0
+                        next_identity = max(next_identity, now + IDENTITY_EVERY_S)
                     else:
                         self._health_failed(w, w.last_error, w.last_refused)
-                await asyncio.sleep(cfg.load_poll_interval_s)
+                await asyncio.sleep(cfg.poll_interval_s(w.kind))
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # a monitor must never die: log, back off, go on
@@ -337,6 +347,10 @@ class WorkerPool:
         if not await self._check_identity(w):
             return False
         w.view.cost = cost_params(model, w.cfg.cost, (w.block_size, w.block_bytes))
+        # A (re)started process is measured anew: its speeds may not be the last one's.
+        w.fleet.speed = None
+        w.view.speeds_fitted = False
+        w.view.speeds_known = speeds_stated(model, w.cfg.cost, w.kind)
         try:
             self._join(w)
         except (IndexError_, ValueError, OSError) as e:

@@ -38,6 +38,8 @@ class UpstreamError(Exception):
     def worker_trouble(self) -> bool:
         """A failure that says the worker is in trouble (for its circuit breaker): no
         answer, a broken stream, a 5xx; not an overloaded (429) or draining (503) one."""
+        if self.phase == "connect_timeout":  # slow to accept is overload, not a failure
+            return False
         return self.status is None or (self.status >= 500 and self.status != 503)
 
     def __str__(self) -> str:
@@ -135,6 +137,9 @@ async def post(
     except _NoHeaders:
         raise UpstreamError(f"worker {worker_id}: no response within {header_timeout_s:.0f} s", True,
                             phase="first_byte_timeout") from None
+    except aiohttp.ServerTimeoutError:
+        raise UpstreamError(f"worker {worker_id} did not accept the connection within {timeout.connect} s", True,
+                            phase="connect_timeout") from None
     except aiohttp.ClientConnectorError as e:
         refused = isinstance(e.os_error, ConnectionRefusedError) or "refused" in str(e).lower()
         raise UpstreamError(f"worker {worker_id} unreachable: {e}", True, fatal=refused) from None
@@ -186,8 +191,8 @@ async def _send(
         if aborted and task is not None and task.uncancel() == 0:
             raise _Aborted from None
         raise
-    except TimeoutError:
-        if header_timeout_s is not None and not aborted:
+    except TimeoutError as e:
+        if header_timeout_s is not None and not aborted and not isinstance(e, aiohttp.ServerTimeoutError):
             raise _NoHeaders from None
         raise
     finally:

@@ -1,14 +1,14 @@
 """A vLLM worker's load, read from its Prometheus `/metrics` (it has no `/load`).
 
-Parsed with prometheus_client's own text parser (robust to label sets, comments and
-exposition details across vLLM releases). Gauges carry labels (model_name, engine);
-values of one name are summed (several engines behind one server add up).
+Only the few samples routing needs are read, by name, from the exposition text; gauges
+carry labels (model_name, engine) and values of one name are summed (several engines
+behind one server add up).
 """
 from __future__ import annotations
 
+import math
+from collections.abc import Iterator
 from dataclasses import dataclass
-
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvwire import BlockCounts, LoadReport
 
@@ -29,24 +29,65 @@ class VllmLoad:
 
 
 def parse_vllm_metrics(text: str) -> VllmLoad:
-    """Raises ValueError when the text is not Prometheus exposition or lacks the queue gauges."""
+    """Raises ValueError when the text lacks the queue gauges.
+
+    Reads only the samples it needs, found by name in the text: a vLLM server's
+    `/metrics` is ~50 KB of histograms, and a full parse of it per poll was most of the
+    gateway's CPU in front of real vLLM servers (bench/bench_vllm_metrics.py)."""
     sums: dict[str, float] = {}
-    wanted = {_WAITING, _RUNNING, *_USAGE}
+    for name in (_WAITING, _RUNNING, *_USAGE):
+        for _labels, value in _samples(text, name):
+            sums[name] = sums.get(name, 0.0) + value
     blocks: int | None = None
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name in wanted:
-                sums[s.name] = sums.get(s.name, 0.0) + float(s.value)
-            elif s.name == _CACHE_INFO:
-                n = s.labels.get("num_gpu_blocks", "")
-                if n.isdigit() and int(n) > 0:  # "None" before the engine has profiled memory
-                    blocks = (blocks or 0) + int(n)
+    for labels, _value in _samples(text, _CACHE_INFO):
+        n = _label(labels, "num_gpu_blocks")
+        if n.isdigit() and int(n) > 0:  # "None" before the engine has profiled memory
+            blocks = (blocks or 0) + int(n)
     if _WAITING not in sums or _RUNNING not in sums:
         raise ValueError(f"no {_WAITING} / {_RUNNING} gauges in /metrics")
     usage = next((sums[n] for n in _USAGE if n in sums), None)
     if usage is not None:
         usage = min(1.0, max(0.0, usage))
     return VllmLoad(int(sums[_WAITING]), int(sums[_RUNNING]), usage, blocks)
+
+
+def _samples(text: str, name: str) -> Iterator[tuple[str, float]]:
+    """(label text, value) of every sample line of `name` (exposition format: `name{labels}
+    value [timestamp]`, one per line); a line whose value does not parse is skipped."""
+    start = 0
+    while True:
+        i = text.find(name, start)
+        if i < 0:
+            return
+        start = i + len(name)
+        if (i and text[i - 1] != "\n") or start >= len(text) or text[start] not in "{ ":
+            continue  # a longer name, or the name inside another line
+        end = text.find("\n", start)
+        line = text[start:end if end >= 0 else len(text)]
+        labels = ""
+        if line.startswith("{"):
+            close = line.rfind("}")
+            if close < 0:
+                continue
+            labels, line = line[1:close], line[close + 1:]
+        parts = line.split()
+        try:
+            v = float(parts[0])
+        except (IndexError, ValueError):
+            continue
+        if math.isfinite(v):
+            yield labels, v
+
+
+def _label(labels: str, key: str) -> str:
+    """The value of `key="..."` in a label text ("" when absent)."""
+    i = labels.find(key + '="')
+    while i > 0 and labels[i - 1] not in ", ":
+        i = labels.find(key + '="', i + 1)
+    if i < 0:
+        return ""
+    j = i + len(key) + 2
+    return labels[j:labels.find('"', j)]
 
 
 def vllm_report(v: VllmLoad) -> LoadReport:

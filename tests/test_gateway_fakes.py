@@ -51,6 +51,10 @@ class FakeWorker:
     prompt_skew: int = 0  # counts this many more prompt tokens than the bundled tokenizer (a mis-keyed worker)
     embeddings: list[dict[str, Any]] = field(default_factory=list)
     completion_headers: list[dict[str, str]] = field(default_factory=list)  # each completion request's headers
+    probes: list[dict[str, Any]] = field(default_factory=list)  # speed probes at join (x-kvroute-probe)
+    probe_tps: float | None = None  # answer probes as an engine of this prefill speed (None: at once)
+    probe_overhead_s: float = 0.0
+    probe_status: int = 200
     port: int = 0
 
     @property
@@ -139,10 +143,27 @@ class FakeWorker:
             await reply(200, {"object": "list", "data": [{"object": "embedding", "index": 0, "embedding": [0.5, 0.25]}],
                               "model": self.model, "usage": {"prompt_tokens": 2, "total_tokens": 2}})
         elif path in ("/v1/completions", "/v1/chat/completions"):
-            self.completion_headers.append({k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]})
+            hdrs = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+            if "x-kvroute-probe" in hdrs:  # the gateway measuring a worker's speed at join
+                await self._probe(msgspec.json.decode(body), reply)
+                return
+            self.completion_headers.append(hdrs)
             await self._complete(msgspec.json.decode(body), reply, send, receive, path.endswith("chat/completions"))
         else:
             await reply(404, {"error": {"message": "no", "type": "x", "param": None, "code": None}})
+
+    async def _probe(self, req: dict[str, Any], reply: Any) -> None:
+        """A speed probe: answered at once, or as an engine of `probe_tps` tokens/s would."""
+        self.probes.append(req)
+        n = len(req["prompt"])
+        if self.probe_status != 200:
+            await reply(self.probe_status, {"error": {"message": "no", "type": "x", "param": None, "code": None}})
+            return
+        if self.probe_tps:
+            await asyncio.sleep(self.probe_overhead_s + n / self.probe_tps)
+        await reply(200, {"choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
+                          "usage": {"prompt_tokens": n, "completion_tokens": 1,
+                                    "prompt_tokens_details": {"cached_tokens": 0}}})
 
     async def _complete(self, req: dict[str, Any], reply: Any, send: Any, receive: Any, chat: bool) -> None:
         """As vLLM answers: streamed or whole, chat or completion, usage when asked for;

@@ -97,6 +97,7 @@ class PolicyBase:
     def _remember(self, w: WorkerView) -> None:
         """Keep the CostParams a prediction for `w` used, for calibrating against it."""
         self._last_cost[w.worker_id] = (w.cost, running_decodes(w))
+        self.calibrator.set_fitted(w.worker_id, w.speeds_fitted)
         self._bound_last()
 
     def _bound_last(self) -> None:

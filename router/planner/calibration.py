@@ -149,6 +149,9 @@ class Calibrator:
         self.window = window
         self.max_workers = max_workers
         self._coef: dict[str, WorkerCoefficients] = {}
+        # Workers whose speeds a SpeedFit measures (WorkerView.speeds_fitted): their prefill
+        # scale and TTFT offset stay neutral, or the same error would be corrected twice.
+        self._fitted: set[str] = set()
         self._errors: dict[str, _ErrorAcc] = {}
         self._all = _ErrorAcc(window * 4)
 
@@ -178,11 +181,12 @@ class Calibrator:
                 self._all.add(err, rel)
         if base is None or not isinstance(kv, Mapping):
             return
+        fitted = worker_id in self._fitted
         co = self._coef.get(worker_id)
         if co is None:
             co = self._coef[worker_id] = WorkerCoefficients()
             self._bound(self._coef)
-        if self.ttft_offset and predicted_ttft is not None and math.isfinite(predicted_ttft) \
+        if self.ttft_offset and not fitted and predicted_ttft is not None and math.isfinite(predicted_ttft) \
                 and math.isfinite(actual_ttft) and actual_ttft >= 0.0:
             self._offset_update(co, actual_ttft - predicted_ttft + co.ttft_offset_s)
         loaded_raw = kv.get("loaded_tokens")
@@ -196,7 +200,8 @@ class Calibrator:
         recomputed = _num(kv, "recomputed_tokens")
         prefill_ms = _num(kv, "prefill_ms")
         if (
-            recomputed is not None
+            not fitted
+            and recomputed is not None
             and recomputed >= max(self.min_prefill_tokens, 1)
             and prefill_ms
             and base.prefill_tokens_per_s > 0.0
@@ -250,9 +255,22 @@ class Calibrator:
         co.ttft_offset_s = 0.0 if v < 0.0 else self.max_offset_s if v > self.max_offset_s else v
 
     def offset(self, worker_id: str) -> float:
-        """Seconds to add to this worker's predicted TTFT (0 when off or unknown)."""
+        """Seconds to add to this worker's predicted TTFT (0 when off, unknown or fitted)."""
         co = self._coef.get(worker_id)
-        return co.ttft_offset_s if co is not None else 0.0
+        return co.ttft_offset_s if co is not None and worker_id not in self._fitted else 0.0
+
+    def set_fitted(self, worker_id: str, fitted: bool) -> None:
+        """Whether a SpeedFit measures this worker's speeds (module doc of speedfit.py)."""
+        if fitted:
+            if worker_id not in self._fitted:
+                self._fitted.add(worker_id)
+                self._bound_set()
+        else:
+            self._fitted.discard(worker_id)
+
+    def _bound_set(self) -> None:
+        while len(self._fitted) > self.max_workers:
+            self._fitted.pop()
 
     def _quantile_update(self, co: WorkerCoefficients, ratio: float) -> bool:
         """The prefill scale as the `prefill_quantile` of the last `prefill_window` ratios
@@ -295,6 +313,7 @@ class Calibrator:
         """Drop a removed worker's state."""
         self._coef.pop(worker_id, None)
         self._errors.pop(worker_id, None)
+        self._fitted.discard(worker_id)
 
     # ------------------------------------------------------------------ reading
 
@@ -303,7 +322,7 @@ class Calibrator:
         co = self._coef.get(worker_id)
         if co is None:
             return 1.0, None
-        return co.prefill_scale, (co.link_scales or None)
+        return 1.0 if worker_id in self._fitted else co.prefill_scale, (co.link_scales or None)
 
     @property
     def active(self) -> bool:

@@ -16,6 +16,7 @@ from kvwire import LoadReport
 
 from .cost import COSCHEDULE_SLACK_S, coschedule_delay, coschedule_load_s, interference_delays, may_coschedule
 from .inflight import InflightLedger, Ticket
+from .speedfit import Sample, SpeedFit
 from .types import Decision, Estimate, Link, WorkerView
 
 TIER_BY_NAME: dict[str, Tier] = {t.name: t for t in Tier}
@@ -109,6 +110,7 @@ class FleetWorker:
     pins: Pins = NO_PINS
     ledger: InflightLedger = field(default_factory=InflightLedger)
     load_t: float | None = None  # when the last report arrived (None: never)
+    speed: SpeedFit | None = None  # fitted from clean samples (None: none yet)
 
     @property
     def worker_id(self) -> str:
@@ -117,7 +119,10 @@ class FleetWorker:
     def on_report(self, rep: LoadReport, now: float, sent_at: float | None = None) -> None:
         """A report arrived at `now`; it was asked for at `sent_at` (None: an instantaneous
         poll, which knows everything the worker accepted)."""
-        apply_report(self.view, rep, self.pins)
+        pins = self.pins
+        if self.view.speeds_fitted:  # measured speeds outrank what a report claims
+            pins = Pins(pins.speeds | frozenset(SPEED_FIELDS), pins.tiers)
+        apply_report(self.view, rep, pins)
         self.on_counts(now, sent_at)
 
     def on_counts(self, now: float, sent_at: float | None = None) -> None:
@@ -137,9 +142,25 @@ class FleetWorker:
         # an idle worker starts a request at once, alone in its step: nothing can share it
         busy = v.running_requests > 0 or v.waiting_requests > 0 or v.inflight_requests > 0 or (
             est is not None and est.t_queue > 0.0)
-        t = self.ledger.dispatched(now, prefill_tokens, kv_tokens, est, busy=busy)
-        self.ledger.fill_counts(self.view)
+        led = self.ledger
+        waiting = sum(1 for r in led.live if not r.prefilled)
+        t = led.dispatched(now, prefill_tokens, kv_tokens, est, busy=busy)
+        t.clean = waiting == 0 and v.waiting_requests == 0
+        t.running = len(led.live) - 1 - waiting
+        led.fill_counts(self.view)
         return t
+
+    def speed_sample(self, s: Sample) -> None:
+        """A clean request's measured TTFT (speedfit.py); once the fit is trusted its
+        speeds replace the view's, except what the operator pinned."""
+        if self.speed is None:
+            self.speed = SpeedFit(self.view.cost)
+        sp = self.speed
+        sp.add(s)
+        if sp.trusted:
+            sp.apply(self.view.cost, self.pins.speeds)
+            self.view.speeds_fitted = True
+            self.view.speeds_known = True
 
     def accepted(self, t: Ticket, now: float) -> None:
         self.ledger.accepted(t, now)

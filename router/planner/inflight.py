@@ -40,6 +40,10 @@ class Ticket:
     start_at: float | None = None  # predicted prefill start, when it loads nothing
     # What later dispatches to the worker add to its predicted TTFT (FleetWorker.revise_ahead)
     revised_s: float = 0.0
+    # Nothing else was waiting for its first token on the worker when this was sent: its
+    # TTFT measures the worker's own speed (speedfit.py); `running`: those decoding then.
+    clean: bool = False
+    running: int = 0
     # Ends the request's upstream connection (set by the gateway's relay; the worker died)
     abort: Callable[[], None] | None = None
 

@@ -8,7 +8,8 @@ worker can serve in time is shed. Workers are evaluated in the order of a cheap 
 bound and pruning stops when none left could win, tie or be the retry target, so a
 decision over 64 workers stays well under a millisecond and equals the full
 evaluation. Reasons (fixed labels): min_ttft, tie_less_load, saturation_prefix,
-slo_over_balance, shed_slo, shed_capped, no_workers. Details: docs/planner.md.
+slo_over_balance, shed_slo, shed_capped, no_workers, speeds_unknown (a worker not yet
+measured: cache affinity and load decide). Details: docs/planner.md.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from typing import ClassVar
 from kvindex.tiers import Tier
 
 from .base import PREFILL_QUANTILE, TTFT_OFFSET, PolicyBase, check_bool, check_int, check_number, clamp_retry
+from .cache_aware import CacheAwarePolicy
 from .cost import (
     COSCHEDULE_SLACK_S,
     INF,
@@ -125,10 +127,13 @@ class KVCostPolicy(PolicyBase):
         self.peer_pull = check_bool("peer_pull", peer_pull)
         self.min_prefetch_blocks = check_int("min_prefetch_blocks", min_prefetch_blocks, lo=1)
         self.all_estimates = check_bool("all_estimates", all_estimates)
+        self._affinity = CacheAwarePolicy(calibrate=False)
 
     def choose(self, req: RouteRequest, workers: Sequence[WorkerView]) -> Decision:
         if not workers:
             return self._shed_capped(workers)
+        if not all(w.speeds_known for w in workers):
+            return self._by_affinity(req, workers)
         ctx = RequestContext.build(req, workers)
         rows, closed = self._rows(ctx, workers)
         self._bound_last()
@@ -162,6 +167,13 @@ class KVCostPolicy(PolicyBase):
             if sticky is not None and sticky is not chosen:
                 chosen, reason = sticky, "saturation_prefix"
         return self._decision(chosen, reason, estimates, self._ranked(chosen, pool, split, n_eval, held))
+
+    def _by_affinity(self, req: RouteRequest, workers: Sequence[WorkerView]) -> Decision:
+        """Some worker's speeds are still the router's defaults (not yet measured): a time
+        estimate for it would be a guess, so cache affinity and load decide until it is."""
+        d = self._affinity.choose(req, workers)
+        d.policy, d.reason = self.name, "speeds_unknown"
+        return d
 
     # ------------------------------------------------------------------ steps
 
@@ -205,6 +217,7 @@ class KVCostPolicy(PolicyBase):
         for w in workers:
             ps, ls = coef(w.worker_id) if coef else (1.0, None)
             self._last_cost[w.worker_id] = (w.cost, running_decodes(w))
+            self.calibrator.set_fitted(w.worker_id, w.speeds_fitted)
             r = _Row(0.0, w, outstanding_requests(w), ps, ls,
                      self.calibrator.offset(w.worker_id) if coef else 0.0)
             r.bound = ttft_lower_bound(ctx, w, self.prefetch, self.peer_pull, self.exact_queue, ps)

@@ -98,6 +98,11 @@ class WorkerView:
     # budget they leave, and the step (so their first token) lasts its chunk longer
     # (cost.coschedule_seconds). Empty = none known.
     inflight_starts: Sequence[tuple[float, int]] = ()
+    # Where `cost`'s speeds come from: False while they are only the router's defaults (a
+    # vLLM server with no `cost:` not yet measured): kv_cost then routes by cache affinity
+    # and load. `speeds_fitted`: a SpeedFit measured them (calibration then leaves them be).
+    speeds_known: bool = True
+    speeds_fitted: bool = False
 
 
 @dataclass(slots=True)

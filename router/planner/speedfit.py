@@ -1,0 +1,213 @@
+"""A worker's speeds, fitted from what its own requests show (docs/planner.md, "Knowing the worker").
+
+A request dispatched to a worker with no other prefill ahead of it (a probe at join, or a
+request that found the worker's queue empty) measures that worker directly: its time to
+first token is the fixed per-request overhead, the prefill of its new tokens given the
+cached ones, and the decode steps the prefill's step carried when others were running:
+
+    ttft = overhead + scale * shape(new, cached) + ride * [running > 0]
+
+`shape` is the cost model's prefill formula for the worker's starting coefficients, so a
+fit keeps their form (linear + attention) and measures the three numbers that differ most
+between engines. Each sample weighs by its relative error (a 50 ms and a 500 ms request
+count alike) and the fit is a Huber IRLS over a sliding window: one stalled request moves
+nothing, a slower engine moves everything. No bound limits what a fit may find.
+
+State: `probing` (too few samples to trust), `fitted`, `drifting` (the latest samples sit
+off the fit: it is refitting on them). Pure: the gateway and the simulator feed it.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, replace
+from enum import StrEnum
+
+from .cost import prefill_seconds
+from .types import CostParams
+
+WINDOW = 64  # samples a fit looks at: recent enough to follow a change in minutes
+MIN_SAMPLES = 4  # below this the worker is `probing`
+REFIT_EVERY = 4
+DRIFT_SAMPLES = 8  # the latest samples that decide `drifting`
+DRIFT_REL = 0.25  # their median relative residual past this: `drifting`
+_HUBER_K = 1.345  # the usual 95%-efficiency constant
+_IRLS_ROUNDS = 6
+
+
+class FitState(StrEnum):
+    PROBING = "probing"
+    FITTED = "fitted"
+    DRIFTING = "drifting"
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    new_tokens: int
+    cached_tokens: int
+    running: int  # requests decoding on the worker when this one started
+    ttft_s: float  # from dispatch to first token
+
+
+@dataclass(frozen=True, slots=True)
+class Fit:
+    overhead_s: float
+    scale: float  # x the starting coefficients' prefill time
+    ride_s: float  # added when others were decoding
+    rel_spread: float  # robust spread of the relative residuals (1.4826 x MAD)
+    samples: int
+
+    def ttft(self, base: CostParams, new: int, cached: int, running: int) -> float:
+        shape = prefill_seconds(base, new, cached) - base.prefill_overhead_s
+        return self.overhead_s + self.scale * shape + (self.ride_s if running > 0 else 0.0)
+
+
+class SpeedFit:
+    """One worker's samples and current fit; `base`: its starting coefficients (profile,
+    config or the worker's own report), which give the fit its shape."""
+
+    def __init__(self, base: CostParams) -> None:
+        self.base = replace(base, links=dict(base.links))
+        self.samples: deque[Sample] = deque(maxlen=WINDOW)
+        self.fit: Fit | None = None
+        self.state = FitState.PROBING
+        self.total = 0
+
+    def add(self, s: Sample) -> None:
+        """One clean sample; refits at once (a few dozen rows, microseconds)."""
+        if s.ttft_s <= 0.0 or not math.isfinite(s.ttft_s) or s.new_tokens <= 0:
+            return
+        self.samples.append(s)
+        self.total += 1
+        n = len(self.samples)
+        if n < MIN_SAMPLES:
+            return
+        # Once fitted, a refit every few samples follows a change as well (the window is
+        # the memory) at a fraction of the gateway's CPU; a drifting fit refits each time.
+        if self.fit is None or n < WINDOW // 4 or self.state is FitState.DRIFTING or self.total % REFIT_EVERY == 0:
+            self.fit = fit_samples(self.base, list(self.samples))
+        self.state = self._state()
+
+    def _state(self) -> FitState:
+        fit = self.fit
+        if fit is None:
+            return FitState.PROBING
+        recent = list(self.samples)[-DRIFT_SAMPLES:]
+        if len(recent) >= DRIFT_SAMPLES:
+            rel = sorted(_rel_residual(self.base, fit, s) for s in recent)
+            if abs(rel[len(rel) // 2]) > DRIFT_REL:
+                return FitState.DRIFTING
+        return FitState.FITTED
+
+    @property
+    def confidence(self) -> float:
+        """0..1: grows with samples, falls with the residuals' spread."""
+        fit = self.fit
+        if fit is None:
+            return 0.0
+        n = len(self.samples)
+        c = n / (n + 2.0 * MIN_SAMPLES) / (1.0 + 2.0 * fit.rel_spread)
+        return round(c * (0.5 if self.state is FitState.DRIFTING else 1.0), 3)
+
+    @property
+    def trusted(self) -> bool:
+        return self.fit is not None and self.state is not FitState.PROBING
+
+    def apply(self, cost: CostParams, pinned: frozenset[str] = frozenset()) -> None:
+        """Write the fitted speeds into `cost` (the worker's live coefficients), except
+        those an operator pinned."""
+        fit = self.fit
+        if fit is None:
+            return
+        b = self.base
+        if "prefill_tokens_per_s" not in pinned:
+            cost.prefill_tokens_per_s = b.prefill_tokens_per_s / fit.scale
+        if "prefill_attn_s_per_token2" not in pinned:
+            cost.prefill_attn_s_per_token2 = b.prefill_attn_s_per_token2 * fit.scale
+        if "prefill_overhead_s" not in pinned:
+            cost.prefill_overhead_s = fit.overhead_s
+        if "decode_step_s" not in pinned and fit.ride_s > 0.0:
+            cost.decode_step_s = fit.ride_s
+
+    def summary(self) -> dict[str, object]:
+        fit = self.fit
+        out: dict[str, object] = {"state": self.state.value, "confidence": self.confidence,
+                                  "samples": len(self.samples), "samples_total": self.total}
+        if fit is not None:
+            b = self.base
+            out.update(overhead_ms=round(fit.overhead_s * 1e3, 3),
+                       prefill_tokens_per_s=round(b.prefill_tokens_per_s / fit.scale, 1),
+                       ride_ms=round(fit.ride_s * 1e3, 3), rel_spread=round(fit.rel_spread, 4))
+        return out
+
+
+def _rel_residual(base: CostParams, fit: Fit, s: Sample) -> float:
+    return (s.ttft_s - fit.ttft(base, s.new_tokens, s.cached_tokens, s.running)) / s.ttft_s
+
+
+def fit_samples(base: CostParams, samples: list[Sample]) -> Fit:
+    """Huber IRLS of `ttft = a + s*shape + r*[running>0]` in relative terms, coefficients
+    kept non-negative by dropping a column that comes out negative (then refitting)."""
+    rows = [(1.0, prefill_seconds(base, x.new_tokens, x.cached_tokens) - base.prefill_overhead_s,
+             1.0 if x.running > 0 else 0.0) for x in samples]
+    y = [x.ttft_s for x in samples]
+    cols = [0, 1, 2]
+    if not any(r[2] for r in rows) or all(r[2] for r in rows):
+        cols.remove(2)  # all idle or all busy: the ride is not identifiable apart from the overhead
+    coef = _irls(rows, y, cols)
+    for c in (2, 0):
+        if c in cols and coef[c] < 0.0:
+            cols.remove(c)
+            coef = _irls(rows, y, cols)
+    if coef[1] <= 0.0:  # one prompt length only: the overhead takes it all
+        cols = [1] + [c for c in cols if c == 2]
+        coef = _irls(rows, y, cols)
+    fit = Fit(max(coef[0], 0.0), coef[1] if coef[1] > 0.0 else 1.0, max(coef[2], 0.0), 0.0, len(samples))
+    rel = sorted(abs(_rel_residual(base, fit, s)) for s in samples)
+    return replace(fit, rel_spread=1.4826 * rel[len(rel) // 2])
+
+
+def _irls(rows: list[tuple[float, float, float]], y: list[float], cols: list[int]) -> list[float]:
+    w = [1.0 / (v * v) for v in y]  # relative least squares
+    coef = _wls(rows, y, w, cols)
+    for _ in range(_IRLS_ROUNDS):
+        res = [(y[i] - sum(coef[c] * rows[i][c] for c in cols)) / y[i] for i in range(len(y))]
+        mad = sorted(abs(r) for r in res)[len(res) // 2] * 1.4826
+        k = _HUBER_K * max(mad, 1e-3)
+        hw = [1.0 if abs(r) <= k else k / abs(r) for r in res]
+        coef = _wls(rows, y, [w[i] * hw[i] for i in range(len(y))], cols)
+    return coef
+
+
+def _wls(rows: list[tuple[float, float, float]], y: list[float], w: list[float], cols: list[int]) -> list[float]:
+    """Weighted least squares over the chosen columns (normal equations, at most 3x3)."""
+    k = len(cols)
+    a = [[0.0] * k for _ in range(k)]
+    b = [0.0] * k
+    for r, v, wi in zip(rows, y, w, strict=True):
+        for i, ci in enumerate(cols):
+            b[i] += wi * r[ci] * v
+            for j, cj in enumerate(cols):
+                a[i][j] += wi * r[ci] * r[cj]
+    sol = _solve(a, b)
+    out = [0.0, 0.0, 0.0]
+    for i, c in enumerate(cols):
+        out[c] = sol[i]
+    return out
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """Gaussian elimination with partial pivoting; a singular system gives zeros there."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for i in range(n):
+        p = max(range(i, n), key=lambda r: abs(m[r][i]))
+        m[i], m[p] = m[p], m[i]
+        if abs(m[i][i]) < 1e-300:
+            continue
+        for r in range(n):
+            if r != i:
+                f = m[r][i] / m[i][i]
+                for c in range(i, n + 1):
+                    m[r][c] -= f * m[i][c]
+    return [m[i][n] / m[i][i] if abs(m[i][i]) >= 1e-300 else 0.0 for i in range(n)]
