@@ -221,7 +221,7 @@ class AdminConfig(Strict):
 
 
 KVROUTE_POLL_S = 0.1
-METRICS_POLL_S = 1.0
+METRICS_POLL_S = 2.0
 
 
 class PoolConfig(Strict):
@@ -234,7 +234,7 @@ class PoolConfig(Strict):
     in a row: out of routing for `breaker_open_s` (doubling while trials fail, up to
     `breaker_max_open_s`), its index entries kept."""
 
-    # None: 0.1 s for our workers' `/load` (a few hundred bytes), 1 s for a vLLM server's
+    # None: 0.1 s for our workers' `/load` (a few hundred bytes), 2 s for a vLLM server's
     # `/metrics` (~50 KB it renders in Python for each poll; the gateway's own ledger
     # covers what it sent between polls).
     load_poll_interval_s: float | None = Field(default=None, gt=0)

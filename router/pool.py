@@ -3,7 +3,7 @@
 Each worker has one monitor task. It registers the worker (kvroute: `/info`, whose
 namespace digest and block size must match the model's; vLLM: everything from
 config), adds it to the model's prefix index and to KV-event ingestion, then polls its
-load every `pool.load_poll_interval_s` (by default 0.1 s for ours, 1 s for vLLM's `/metrics`) and its `/health` every
+load every `pool.load_poll_interval_s` (by default 0.1 s for ours, 2 s for vLLM's `/metrics`) and its `/health` every
 `pool.health_interval_s`. `pool.unhealthy_after` consecutive failures, or one refused
 connection on a request, take it out of routing and drop its index entries (a dead
 worker's cache is not trusted); when it answers again it is registered afresh. Health

@@ -24,9 +24,10 @@ import httptools
 
 MAX_IDLE_PER_HOST = 512
 # An idle connection older than this is not reused: a worker's server closes idle
-# keep-alive connections after a few seconds (uvicorn: 5 s), and a request written into
-# one it is closing right then would fail as if the worker were in trouble.
-MAX_IDLE_S = 2.0
+# keep-alive connections after a few seconds (uvicorn and vLLM: 5 s), and a request
+# written into one it is closing right then would fail as if the worker were in trouble.
+# A second of margin; shorter would reconnect often at a few requests per second.
+MAX_IDLE_S = 4.0
 
 
 class Sink(Protocol):

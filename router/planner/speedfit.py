@@ -32,7 +32,7 @@ REFIT_EVERY = 4
 DRIFT_SAMPLES = 8  # the latest samples that decide `drifting`
 DRIFT_REL = 0.25  # their median relative residual past this: `drifting`
 _HUBER_K = 1.345  # the usual 95%-efficiency constant
-_IRLS_ROUNDS = 6
+_IRLS_ROUNDS = 4
 
 
 class FitState(StrEnum):
