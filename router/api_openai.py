@@ -166,7 +166,8 @@ def model_of(gw: Gateway, name: str) -> ModelRuntime:
 
 
 class TokenizeRequest(BaseModel):
-    """vLLM's /tokenize body: a text `prompt`, or chat `messages` rendered with the template."""
+    """vLLM's /tokenize body: a text `prompt`, or chat `messages` rendered with the template.
+    Other fields are collected (not dropped) so that `refuse_unknown` can name them all."""
 
     model_config = ConfigDict(extra="allow")
     model: str
@@ -174,6 +175,8 @@ class TokenizeRequest(BaseModel):
     messages: list[dict[str, Any]] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    return_token_strs: bool | None = None
+    tools: list[dict[str, Any]] | None = None
 
 
 class DetokenizeRequest(BaseModel):
@@ -182,30 +185,50 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int] = Field(min_length=0)
 
 
+def refuse_unknown(req: BaseModel, route: str) -> None:
+    """A 400 naming every field the route does not implement: ignored, such a field would
+    make the answer silently differ from what the client asked (null counts as absent)."""
+    unknown = [k for k, v in (req.model_extra or {}).items() if v is not None]
+    if unknown:
+        names = ", ".join(f"`{k}`" for k in unknown)
+        raise bad_request(f"{route} does not support {names}; supported: "
+                          f"{', '.join(f'`{k}`' for k in type(req).model_fields)}.", unknown[0],
+                          "unsupported_parameter")
+
+
 async def tokenize(gw: Gateway, req: TokenizeRequest, scope: str) -> dict[str, Any]:
-    """The ids the gateway keys with, in vLLM's /tokenize shape (`scope`: the tenant's cache)."""
+    """The ids the gateway keys with, in vLLM's /tokenize shape (`scope`: the tenant's cache);
+    `token_strs` as vLLM fills it: the tokenizer's string for each id."""
+    refuse_unknown(req, "/tokenize")
     rt = model_of(gw, req.model)
     tok = rt.tokenizer
     tz = gw.tokenization
     try:
         if req.messages is not None:
-            extra = {"add_generation_prompt": req.add_generation_prompt}
+            extra: dict[str, Any] = {"add_generation_prompt": req.add_generation_prompt}
+            if req.tools:
+                extra["tools"] = req.tools
             if req.add_special_tokens:
                 text = tok.render_chat(req.messages, **extra)
                 ids = await tz.encode_text(tok, text, True, scope)
             else:
                 ids = await tz.encode_chat(tok, req.messages, extra, scope)
         elif req.prompt is not None:
+            if req.tools:
+                raise bad_request("`tools` applies to `messages` only.", "tools")
             specials = True if req.add_special_tokens is None else req.add_special_tokens
             ids = await tz.encode_text(tok, req.prompt, specials, scope)
         else:
             raise bad_request("Either `prompt` or `messages` is required.", "prompt")
     except TokenizerError as e:
         raise bad_request(str(e), "messages" if req.messages is not None else "prompt") from None
-    return {"count": len(ids), "max_model_len": rt.max_context, "tokens": ids.tolist(), "token_strs": None}
+    tokens = ids.tolist()
+    strs = tok.hf.convert_ids_to_tokens(tokens) if req.return_token_strs else None
+    return {"count": len(tokens), "max_model_len": rt.max_context, "tokens": tokens, "token_strs": strs}
 
 
 def detokenize(gw: Gateway, req: DetokenizeRequest) -> dict[str, Any]:
+    refuse_unknown(req, "/detokenize")
     rt = model_of(gw, req.model)
     vocab = rt.tokenizer.vocab_size
     bad = next((t for t in req.tokens if not 0 <= t < vocab), None)

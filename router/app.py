@@ -23,10 +23,12 @@ from fastapi.openapi.utils import get_openapi
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
+from kvwire.linger import expects_continue
+
 from . import api_admin, api_openai
 from .admin_policy import open_admin_allowed
 from .api_openai import CompletionRoute, DetokenizeRequest, TokenizeRequest
-from .asgi import Receive, Scope, Send, read_body
+from .asgi import AsgiOut, Receive, Scope, Send, duplicate_credentials, read_body
 from .errors import ApiError, bad_request, internal, not_found
 from .gateway import Gateway
 from .schema import ChatRequest, CompletionRequest
@@ -79,6 +81,10 @@ class GatewayAPI(FastAPI):
         _admin_routes(self, gw)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and (dup := duplicate_credentials(scope)) is not None:
+            await _refuse_unread(scope, receive, send, bad_request(
+                f"The `{dup}` header is sent more than once; send it once.", dup, "duplicate_header"))
+            return
         if self.fast_path and scope["type"] == "http" and scope["method"] == "POST":
             hot = self._hot.get(scope["path"])
             if hot is not None:
@@ -96,6 +102,13 @@ class GatewayAPI(FastAPI):
             doc.setdefault("components", {}).setdefault("schemas", {}).update(components)
             self.openapi_schema = doc
         return self.openapi_schema
+
+
+async def _refuse_unread(scope: Scope, receive: Receive, send: Send, e: ApiError) -> None:
+    """Answer `e` before the request's body was read: the connection closes after it (a
+    bounded drain of the body first, so that the client reads the answer)."""
+    e.headers["connection"] = "close"
+    await AsgiOut(send).error(e, unread=None if expects_continue(scope) else receive)
 
 
 def _errors(app: FastAPI, gw: Gateway) -> None:

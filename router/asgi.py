@@ -19,7 +19,8 @@ from .attempt import JSON_HEADERS
 from .direct_body import DirectBody
 from .errors import ApiError, bad_request, too_large
 
-__all__ = ["AsgiOut", "ClientGone", "Receive", "Scope", "Send", "headers_of", "read_body", "watch_disconnect"]
+__all__ = ["AsgiOut", "ClientGone", "Receive", "Scope", "Send", "duplicate_credentials", "headers_of", "read_body",
+           "watch_disconnect"]
 _enc = msgspec.json.Encoder()
 
 
@@ -71,6 +72,23 @@ class AsgiOut:
 
 class ClientGone(Exception):
     """The client disconnected before its request body arrived: nothing to answer."""
+
+
+_CREDENTIALS = (b"authorization", b"api-key", b"x-admin-token")
+
+
+def duplicate_credentials(scope: Scope) -> str | None:
+    """The name of a credential header the request carries more than once, else None.
+    Which copy counts would differ between parsers and proxies (the last silently won
+    here): such a request is refused rather than guessed at."""
+    seen: set[bytes] = set()
+    for k, _ in scope["headers"]:
+        name: bytes = k.lower()
+        if name in _CREDENTIALS:
+            if name in seen:
+                return name.decode()
+            seen.add(name)
+    return None
 
 
 def headers_of(scope: Scope) -> dict[str, str]:

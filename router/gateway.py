@@ -18,6 +18,7 @@ import logging
 import time
 from collections.abc import Coroutine, Mapping
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 from prometheus_client.core import Metric
@@ -49,6 +50,7 @@ from .prefetch import Prefetch, Prefetcher, prefetch_rule
 from .prepare import Prepared, Preparer
 from .proxy import UpstreamError
 from .recorder import TraceRecorder
+from .redact import worker_message
 from .relay import Relay
 from .tenancy import Tenancy, Tenant
 from .tokenize import Tokenization, Tokenizer
@@ -330,6 +332,7 @@ class Gateway:
         order = [d.worker_id] + [w for w in d.ranked if w != d.worker_id][:retries]
         estimates = {e.worker_id: e for e in d.estimates}
         last: UpstreamError | None = None
+        last_w: Worker | None = None
         tried = 0
         for wid in order:
             w = self.pool.workers.get(wid)
@@ -345,7 +348,7 @@ class Gateway:
             except UpstreamError as e:
                 if not e.retryable:
                     raise (e.api_error or upstream_failed("A worker failed to answer.")) from None
-                last = e
+                last, last_w = e, w
                 log.warning("request %s: worker %s failed before the first byte: %s", prep.rid, w.id, e)
         if last is not None and last.api_error is not None and last.api_error.status == 429:
             m.child(m.shed, "worker_429").inc()
@@ -353,9 +356,11 @@ class Gateway:
         if last is None:
             raise unavailable("No healthy worker could take this request.", 1.0)
         log.warning("request %s: no worker answered (%d tried): %s", prep.rid, tried, last)
+        said = _worker_said(last, last_w)
+        why = f" (the worker said: {said})" if said else ""
         if tried > 1:
-            raise upstream_failed(f"The {tried} workers tried failed before answering; retry the request.")
-        raise upstream_failed("The worker failed before answering; retry the request.")
+            raise upstream_failed(f"The {tried} workers tried failed before answering{why}; retry the request.")
+        raise upstream_failed(f"The worker failed before answering{why}; retry the request.")
 
     async def _attempt(
         self, prep: Prepared, d: Decision, rr: RouteRequest, w: Worker, est: Estimate | None, out: Out,
@@ -419,6 +424,14 @@ class Gateway:
         if self.pool is None:
             return []
         return admin.state_gauges(self.pool, self.models, self.ingest)
+
+
+def _worker_said(e: UpstreamError, w: Worker | None) -> str | None:
+    """A failed worker's own 5xx message, fit for the client (router/redact.py)."""
+    if e.said is None or w is None:
+        return None
+    host = urlsplit(w.url).hostname or ""
+    return worker_message(e.said, (w.id, w.url, host))
 
 
 def _models(cfg: Config) -> ModelTable:

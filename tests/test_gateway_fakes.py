@@ -31,6 +31,7 @@ class FakeWorker:
     block_bytes: int = 2097152
     capabilities: tuple[str, ...] = ("prefetch", "purge")
     fail_status: int | None = None  # answer completions with this status
+    fail_message: str | None = None  # ... and this error message (default: "injected <status>")
     die_after_chunks: int | None = None  # close the connection after N chunks
     stall_after_chunks: int | None = None  # say nothing more after N chunks (a hung worker)
     first_delay_s: float = 0.0
@@ -149,8 +150,8 @@ class FakeWorker:
         `kv` timings only for the gateway's requests to our workers (they carry `kv`)."""
         self.completions.append(req)
         if self.fail_status is not None:
-            await reply(self.fail_status, {"error": {"message": f"injected {self.fail_status}", "type": "x",
-                                                     "param": None, "code": None}})
+            msg = self.fail_message or f"injected {self.fail_status}"
+            await reply(self.fail_status, {"error": {"message": msg, "type": "x", "param": None, "code": None}})
             return
         await asyncio.sleep(self.headers_delay_s)
         n = int(req.get("max_tokens") or req.get("max_completion_tokens") or 4)
@@ -173,6 +174,9 @@ class FakeWorker:
                     return
 
         watcher = asyncio.ensure_future(watch())
+        so = req.get("stream_options") or {}
+        # vLLM: usage on every chunk only when both are set
+        per_chunk = usage if so.get("include_usage") and so.get("continuous_usage_stats") else None
         try:
             await asyncio.sleep(self.first_delay_s)
             for i in range(n):
@@ -180,7 +184,8 @@ class FakeWorker:
                     raise ConnectionResetError("injected death")
                 if self.stall_after_chunks is not None and i >= self.stall_after_chunks:
                     await asyncio.Event().wait()  # until the client goes away
-                await send({"type": "http.response.body", "body": _event(_chunk(chat, i, n)), "more_body": True})
+                await send({"type": "http.response.body", "body": _event(_chunk(chat, i, n, per_chunk)),
+                            "more_body": True})
                 if self.token_delay_s:
                     await asyncio.sleep(self.token_delay_s)
             tail = b""
@@ -215,14 +220,18 @@ def _event(obj: Any) -> bytes:
     return b"data: " + _enc.encode(obj) + b"\n\n"
 
 
-def _chunk(chat: bool, i: int, n: int) -> dict[str, Any]:
+def _chunk(chat: bool, i: int, n: int, usage: dict[str, Any] | None = None) -> dict[str, Any]:
     finish = "length" if i == n - 1 else None
     if chat:
         delta: dict[str, Any] = {"content": f"t{i} "} if i else {"role": "assistant", "content": f"t{i} "}
-        return {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "fake-model",
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
-    return {"id": "x", "object": "text_completion", "created": 0, "model": "fake-model",
-            "choices": [{"index": 0, "text": f"t{i} ", "finish_reason": finish, "logprobs": None}]}
+        c = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "fake-model",
+             "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+    else:
+        c = {"id": "x", "object": "text_completion", "created": 0, "model": "fake-model",
+             "choices": [{"index": 0, "text": f"t{i} ", "finish_reason": finish, "logprobs": None}]}
+    if usage is not None:
+        c["usage"] = usage
+    return c
 
 
 def _whole(chat: bool, n: int, usage: dict[str, Any]) -> dict[str, Any]:
