@@ -24,7 +24,7 @@ import aiohttp
 from prometheus_client.core import Metric
 
 from . import admin
-from .admin_policy import LOOPBACK_HOSTS
+from .admin_policy import LOOPBACK_HOSTS, network_policy
 from .attempt import Attempt, Out
 from .binding import Binder
 from .budget import ByteBudget
@@ -121,6 +121,7 @@ class Gateway:
                                      cfg.pool.connect_timeout_s)
         self.relay = Relay(self.session, self.pool, self.observer, cfg.pool)
         self.pool.probe.upstream = self.relay.upstream  # keep-alive polls, closed with the relay
+        self.pool.network = network_policy(cfg.admin)
         self.passthrough = PassThrough(self.session, self.pool, self.observer, cfg.pool)
         self.membership = Membership(self.pool)
         await self.membership.set_static(cfg.workers, "config")

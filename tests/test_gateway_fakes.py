@@ -52,6 +52,7 @@ class FakeWorker:
     prompt_skew: int = 0  # counts this many more prompt tokens than the bundled tokenizer (a mis-keyed worker)
     embeddings: list[dict[str, Any]] = field(default_factory=list)
     completion_headers: list[dict[str, str]] = field(default_factory=list)  # each completion request's headers
+    events: dict[str, Any] | None = None  # what /info advertises as its KV-event endpoints
     port: int = 0
 
     @property
@@ -68,7 +69,7 @@ class FakeWorker:
             "block_size": self.block_size,
             "block_bytes": self.block_bytes,
             "max_context_tokens": 131072,
-            "events": None,
+            "events": self.events,
             "remote_group": None,
             "capabilities": list(self.capabilities),
         }
