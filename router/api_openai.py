@@ -1,5 +1,5 @@
 """The OpenAI routes of the gateway: completions and chat (the hot path), models,
-tokenize/detokenize with the gateway's own tokenizer, and embeddings forwarded.
+tokenize/detokenize with the gateway's own tokenizer (embeddings: router/embeddings.py).
 
 Completions are handled on raw ASGI (router/asgi.py): the body is read with a cap,
 the request counted once by its final status, every error answered in OpenAI's shape
@@ -10,17 +10,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import random
 from typing import Any
 
-import aiohttp
-import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvwire.linger import expects_continue
 
 from .asgi import AsgiOut, ClientGone, Receive, Scope, Send, headers_of, read_body, watch_disconnect
-from .errors import ApiError, bad_request, internal, model_not_found, rate_limited, unavailable
+from .errors import ApiError, bad_request, internal, model_not_found, rate_limited
 from .gateway import Gateway
 from .model import ModelRuntime
 from .responses import SSE_DONE, sse_error
@@ -235,32 +232,3 @@ def detokenize(gw: Gateway, req: DetokenizeRequest) -> dict[str, Any]:
     if bad is not None:
         raise bad_request(f"Token id {bad} is outside the vocabulary (0..{vocab - 1}).", "tokens")
     return {"prompt": rt.tokenizer.hf.decode(req.tokens)}
-
-
-# --------------------------------------------------------------------------- embeddings
-
-
-async def embeddings(gw: Gateway, body: bytes) -> tuple[int, bytes, str]:
-    """Forward to a healthy worker of the model (the first that answers); its answer as sent."""
-    try:
-        model = msgspec.json.decode(body).get("model")
-    except (msgspec.DecodeError, AttributeError):
-        raise bad_request("The request body must be a JSON object with a `model`.", None, "invalid_json") from None
-    rt = model_of(gw, str(model))
-    assert gw.pool is not None and gw.session is not None
-    workers = list(gw.pool.routable(rt.id))
-    if not workers:
-        raise unavailable(f"No healthy worker serves model {rt.id!r} right now.", 1.0)
-    random.shuffle(workers)
-    last: Exception | None = None
-    for w in workers[:2]:
-        try:
-            async with gw.session.post(w.url + "/v1/embeddings", data=body,
-                                       headers={"content-type": "application/json"}) as r:
-                data = await r.read()
-                if r.status < 500:
-                    return r.status, data, r.headers.get("content-type", "application/json")
-                last = RuntimeError(f"HTTP {r.status}")
-        except (TimeoutError, aiohttp.ClientError, OSError) as e:
-            last = e
-    raise unavailable(f"No worker could answer the embeddings request ({type(last).__name__}).", 1.0)

@@ -29,6 +29,7 @@ from . import api_admin, api_openai
 from .admin_policy import open_admin_allowed
 from .api_openai import CompletionRoute, DetokenizeRequest, TokenizeRequest
 from .asgi import AsgiOut, Receive, Scope, Send, duplicate_credentials, read_body
+from .embeddings import EmbeddingRequest, EmbeddingsRoute
 from .errors import ApiError, bad_request, internal, not_found
 from .gateway import Gateway
 from .schema import ChatRequest, CompletionRequest
@@ -74,7 +75,8 @@ class GatewayAPI(FastAPI):
                          description="Cache-aware OpenAI-compatible router. Admin routes need the admin token.")
         self.gw = gw
         self.fast_path = fast_path
-        self._hot = {"/v1/chat/completions": CompletionRoute(gw, True), "/v1/completions": CompletionRoute(gw, False)}
+        self._hot = {"/v1/chat/completions": CompletionRoute(gw, True), "/v1/completions": CompletionRoute(gw, False),
+                     "/v1/embeddings": EmbeddingsRoute(gw)}
         _errors(self, gw)
         _openai_routes(self, gw)
         _ops_routes(self, gw)
@@ -97,7 +99,7 @@ class GatewayAPI(FastAPI):
         if self.openapi_schema is None:
             doc = get_openapi(title=self.title, version=self.version, description=self.description,
                               routes=self.routes)
-            _, components = msgspec.json.schema_components([ChatRequest, CompletionRequest],
+            _, components = msgspec.json.schema_components([ChatRequest, CompletionRequest, EmbeddingRequest],
                                                            ref_template="#/components/schemas/{name}")
             doc.setdefault("components", {}).setdefault("schemas", {}).update(components)
             self.openapi_schema = doc
@@ -194,11 +196,9 @@ def _openai_routes(app: GatewayAPI, gw: Gateway) -> None:
         gw.tenancy.authenticate(request.headers)
         return json(api_openai.detokenize(gw, body))
 
-    @app.post("/v1/embeddings", tags=["openai"], summary="Forwarded to a worker of the model that serves it")
-    async def embeddings(request: Request) -> Response:
-        gw.tenancy.authenticate(request.headers)
-        status, data, ctype = await api_openai.embeddings(gw, await _body(request, gw.cfg.limits.max_body_bytes))
-        return Response(data, status_code=status, media_type=ctype)
+    app.add_api_route("/v1/embeddings", _completion_endpoint(app._hot["/v1/embeddings"]), methods=["POST"],
+                      tags=["openai"], name="/v1/embeddings",
+                      openapi_extra=_completion_doc("EmbeddingRequest", "Embeddings, from a worker of the model"))
 
 
 def _ops_routes(app: FastAPI, gw: Gateway) -> None:

@@ -162,6 +162,8 @@ class LimitsConfig(Strict):
     max_stop_sequences: int = Field(default=4, ge=0)
     # Request bodies in flight at once, all requests together (router/budget.py): bounds memory.
     max_inflight_body_bytes: int = Field(default=256 * 1024 * 1024, gt=0)
+    # An embeddings answer the gateway relays (held whole, counted in the budget above).
+    max_embeddings_answer_bytes: int = Field(default=64 * 1024 * 1024, gt=0)
 
 
 class TraceConfig(Strict):

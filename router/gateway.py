@@ -231,8 +231,12 @@ class Gateway:
 
     def _candidates(self, prep: Prepared) -> list[Worker]:
         """Healthy workers of the model that can serve the request as asked, under their caps."""
+        return self.candidates(prep.model, prep.ours_error)
+
+    def candidates(self, model: ModelRuntime, ours_error: ApiError | None = None) -> list[Worker]:
+        """Healthy workers of `model` under their caps (only vLLM ones with `ours_error`: what
+        our workers cannot serve); 429/503 when there is none."""
         assert self.pool is not None
-        model = prep.model
         workers = self.pool.routable(model.id)
         if not workers:
             failing = self.pool.healthy(model.id)  # alive, but out of routing by their breakers
@@ -243,10 +247,10 @@ class Gateway:
                                    max(wait, self.cfg.routing.default_retry_after_s), "workers_failing")
             self.metrics.child(self.metrics.shed, "no_healthy_worker").inc()
             raise unavailable(f"No healthy worker serves model {model.id!r} right now.", 1.0)
-        if prep.ours_error is not None:  # only pass-through workers take what ours do not implement
+        if ours_error is not None:  # only pass-through workers take what ours do not implement
             workers = [w for w in workers if w.kind == "vllm"]
             if not workers:
-                raise prep.ours_error
+                raise ours_error
         open_ = self._open(workers)
         if not open_:
             self.metrics.child(self.metrics.shed, "worker_caps").inc()

@@ -51,6 +51,10 @@ class FakeWorker:
     gpu_blocks: int | None = None  # vLLM's num_gpu_blocks in /metrics (None: not exported)
     prompt_skew: int = 0  # counts this many more prompt tokens than the bundled tokenizer (a mis-keyed worker)
     embeddings: list[dict[str, Any]] = field(default_factory=list)
+    embedding_headers: list[dict[str, str]] = field(default_factory=list)
+    embeddings_status: int = 200  # answer /v1/embeddings with this status ...
+    embeddings_body: bytes | None = None  # ... and this body (default: a two-number vector)
+    embeddings_delay_s: float = 0.0  # say nothing, not even the status line, for this long
     completion_headers: list[dict[str, str]] = field(default_factory=list)  # each completion request's headers
     events: dict[str, Any] | None = None  # what /info advertises as its KV-event endpoints
     port: int = 0
@@ -138,8 +142,16 @@ class FakeWorker:
             await reply(200, {"object": "list", "data": [{"id": self.model, "object": "model", "root": self.model}]})
         elif path == "/v1/embeddings":
             self.embeddings.append(msgspec.json.decode(body))
-            await reply(200, {"object": "list", "data": [{"object": "embedding", "index": 0, "embedding": [0.5, 0.25]}],
-                              "model": self.model, "usage": {"prompt_tokens": 2, "total_tokens": 2}})
+            self.embedding_headers.append({k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]})
+            await asyncio.sleep(self.embeddings_delay_s)
+            if self.embeddings_body is not None:
+                await send({"type": "http.response.start", "status": self.embeddings_status,
+                            "headers": [(b"content-type", b"application/json")]})
+                await send({"type": "http.response.body", "body": self.embeddings_body})
+                return
+            await reply(self.embeddings_status, {"object": "list", "data": [
+                {"object": "embedding", "index": 0, "embedding": [0.5, 0.25]}],
+                "model": self.model, "usage": {"prompt_tokens": 2, "total_tokens": 2}})
         elif path in ("/v1/completions", "/v1/chat/completions"):
             self.completion_headers.append({k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]})
             await self._complete(msgspec.json.decode(body), reply, send, receive, path.endswith("chat/completions"))
