@@ -17,13 +17,15 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvwire.linger import expects_continue
 
 from .asgi import AsgiOut, ClientGone, Receive, Scope, Send, headers_of, read_body, watch_disconnect
-from .errors import ApiError, bad_request, internal, model_not_found, rate_limited
+from .errors import ApiError, bad_request, internal, model_not_found, rate_limited, unavailable
 from .gateway import Gateway
 from .model import ModelRuntime
 from .responses import SSE_DONE, sse_error
 from .tokenize import TokenizerError
 
 log = logging.getLogger("kvroute.api")
+END_WRITE_S = 2.0
+SHUTTING_DOWN = "The gateway is shutting down; the answer is incomplete. Retry the request."
 
 
 class CompletionRoute:
@@ -37,8 +39,19 @@ class CompletionRoute:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         out = AsgiOut(send)
         gw = self.gw
+        me = asyncio.current_task()
+        assert me is not None
         try:
-            await self._handle(scope, receive, out)
+            gw.inflight.add(me)
+            try:
+                await self._handle(scope, receive, out)
+            finally:
+                gw.inflight.discard(me)
+        except asyncio.CancelledError:
+            if not gw.inflight.ended:
+                raise
+            me.uncancel()  # the drain ended (router/drain.py): end the response here
+            gw.metrics.count_request(self.route, await end_drained(out), "-")
         except ApiError as e:
             if not out.started:
                 unread = e.headers.get("connection") == "close" and not expects_continue(scope)
@@ -46,8 +59,6 @@ class CompletionRoute:
             gw.metrics.count_request(self.route, e.status, "-")
         except ClientGone:
             gw.metrics.disconnects.inc()
-        except asyncio.CancelledError:
-            raise
         except Exception:
             rid = "req-" + os.urandom(8).hex()
             log.exception("unhandled error in %s (request id %s)", self.route, rid)
@@ -116,6 +127,7 @@ class CompletionRoute:
             gw.metrics.count_request(self.route, e.status, "-")
             await out.error(e)
             return
+        out.rid = prep.rid
         try:
             status = await gw.complete(prep, out)
         except ApiError as e:
@@ -126,6 +138,23 @@ class CompletionRoute:
             await out.error(e, prep.rid)
             return
         gw.metrics.count_request(self.route, status, prep.model.id)
+
+
+async def end_drained(out: AsgiOut) -> int:
+    """End a response the drain's end cut (router/drain.py): a 503 when nothing was sent,
+    else an SSE error event, `[DONE]` and the body's last chunk. Returns the status sent."""
+    try:
+        async with asyncio.timeout(END_WRITE_S):  # a client that reads nothing holds no one up
+            if not out.started:
+                await out.error(unavailable("The gateway is shutting down; retry the request.", 1.0,
+                                            "shutting_down"), out.rid or None)
+                return 503
+            if not out.ended:
+                tail = sse_error(SHUTTING_DOWN, "service_unavailable", "shutting_down", out.rid) + SSE_DONE
+                await out.body(tail if out.sse else b"", False)
+    except (TimeoutError, OSError, RuntimeError):  # the client is gone or stopped reading
+        pass
+    return out.status
 
 
 async def _end_with_error(out: AsgiOut, rid: str) -> None:

@@ -29,7 +29,7 @@ class AsgiOut:
     middle parts go straight to the connection where the server allows it
     (router/direct_body.py)."""
 
-    __slots__ = ("send", "started", "status", "sse", "direct")
+    __slots__ = ("send", "started", "status", "sse", "direct", "ended", "rid")
 
     def __init__(self, send: Send) -> None:
         self.send = send
@@ -37,6 +37,8 @@ class AsgiOut:
         self.status = 0
         self.sse = False
         self.direct: DirectBody | None = None
+        self.ended = False  # the body's last part was sent
+        self.rid = ""  # the request's id, once known (an error event names it)
 
     async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self.started = True
@@ -47,6 +49,8 @@ class AsgiOut:
             self.direct = DirectBody.attach(self.send)
 
     async def body(self, data: bytes, more: bool = False) -> None:
+        if not more:
+            self.ended = True
         await self.send({"type": "http.response.body", "body": data, "more_body": more})
 
     def write_now(self, data: bytes) -> bool:

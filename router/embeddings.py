@@ -70,6 +70,7 @@ class EmbeddingsRoute(CompletionRoute):
         gw = self.gw
         model = "-"
         rid = client_request_id(headers) or f"embd-{self._rng.getrandbits(96):024x}"
+        out.rid = rid
         try:
             raw = _decode(body)
             rt = model_of(gw, raw["model"])

@@ -30,6 +30,7 @@ from .binding import Binder
 from .budget import ByteBudget
 from .config import Config
 from .discovery import Discovery
+from .drain import InFlight
 from .errors import ApiError, rate_limited, unavailable, upstream_failed
 from .fidelity import KeyFidelity
 from .fleetconfig import WorkerConfig
@@ -91,6 +92,7 @@ class Gateway:
         self.binder = Binder(cfg.routing.gateway_queue, self._predicted_queues, self.metrics)
         self.membership: Membership | None = None
         self.discovery: Discovery | None = None
+        self.inflight = InFlight()  # the requests the end of a drain must end (router/drain.py)
         self.stopping = False  # SIGTERM: not ready, finishing what is in flight
         self.started = False
 
