@@ -58,10 +58,12 @@ async def test_a_5xx_is_retried_on_the_next_worker_and_its_message_cleaned() -> 
     a = FakeWorker("fake-a", DIGEST, embeddings_status=500, embeddings_body=boom)
     b = FakeWorker("fake-b", DIGEST)
     async with fleet([a, b]) as (gw, url):
-        for _ in range(4):
+        sent = 0
+        while not a.embeddings and sent < 50:  # the order among idle workers is random
             st, got, _ = await _embed(url)
+            sent += 1
             assert st == 200, got
-        assert a.embeddings and len(b.embeddings) == 4  # a was tried, b answered every time
+        assert a.embeddings and len(b.embeddings) == sent  # a was tried, b answered every time
         await _remove(url, "fake-b")
         st, got, _ = await _embed(url)
         assert st == 502 and "engine crashed" in _clean_error(got)["message"]
