@@ -37,7 +37,7 @@ from .model import ModelRuntime
 from .proxy import UpstreamError, post, read_within
 from .redact import worker_message
 from .schema import upstream_error_message
-from .worker import Worker
+from .worker import Inflight, Worker
 
 log = logging.getLogger("kvroute.embeddings")
 _raw_dec = msgspec.json.Decoder(dict[str, Any])
@@ -126,40 +126,46 @@ class EmbeddingsRoute(CompletionRoute):
         finally:
             gw.pool.finished(rec)
 
-    async def _relay(self, resp: aiohttp.ClientResponse, w: Worker, rid: str, out: AsgiOut, rec: Any) -> int:
+    async def _relay(self, resp: aiohttp.ClientResponse, w: Worker, rid: str, out: AsgiOut, rec: Inflight) -> int:
+        """Read the whole answer (bounded, in the budget while held), check it, then send it."""
         gw = self.gw
         assert gw.pool is not None
         limit = gw.cfg.limits.max_embeddings_answer_bytes
         if resp.content_length is not None and resp.content_length > limit:
             raise _too_large(limit)
-        budget = gw.body_budget
-        taken = 0
+        taken = [0]
         try:
-            chunks: list[bytes] = []
-            while data := await read_within(resp.content, gw.cfg.pool.idle_timeout_s, w.id, False):
-                if taken + len(data) > limit:
-                    raise _too_large(limit)
-                if not budget.try_take(len(data)):
-                    raise rate_limited("The gateway is busy with other large answers; retry shortly.", 1.0,
-                                       "gateway_busy")
-                taken += len(data)
-                chunks.append(data)
-            body = b"".join(chunks)
-            del chunks
+            body = await self._read_answer(resp, w, limit, taken)
             if not _is_object(body):
                 raise UpstreamError(f"worker {w.id} answered 200 with a body that is not a JSON object", True,
                                     phase="first")
             gw.pool.first_token(rec)
             w.served += 1
+            # from here on nothing is retried: the client's response has begun
             await out.start(200, JSON_HEADERS + [(b"x-kvroute-worker", w.id.encode()),
                                                  (b"x-request-id", rid.encode())])
             await out.body(body)
             return 200
+        finally:
+            gw.body_budget.give(taken[0])
+
+    async def _read_answer(self, resp: aiohttp.ClientResponse, w: Worker, limit: int, taken: list[int]) -> bytes:
+        """The answer's bytes; `taken[0]`: how many the body budget gave for them so far."""
+        gw = self.gw
+        chunks: list[bytes] = []
+        try:
+            while data := await read_within(resp.content, gw.cfg.pool.idle_timeout_s, w.id, False):
+                if taken[0] + len(data) > limit:
+                    raise _too_large(limit)
+                if not gw.body_budget.try_take(len(data)):
+                    raise rate_limited("The gateway is busy with other large answers; retry shortly.", 1.0,
+                                       "gateway_busy")
+                taken[0] += len(data)
+                chunks.append(data)
         except (aiohttp.ClientError, ConnectionError) as e:
             raise UpstreamError(f"worker {w.id} failed while answering: {type(e).__name__}: {e}", True,
                                 phase="first") from None
-        finally:
-            budget.give(taken)
+        return b"".join(chunks)
 
 
 def _decode(body: bytes) -> dict[str, Any]:
