@@ -102,6 +102,8 @@ class NetworkPolicy:
                 raise NetworkRefused(f"{field}: must be tcp:// (an ipc:// path names a file on the gateway's "
                                      f"host; config admin.allow_ipc_events).", field, False)
             return None
+        if scheme == "inproc" and trusted:  # within the gateway's own process
+            return None
         if scheme != "tcp":
             raise NetworkRefused(f"{field}: must be tcp://host:port (or ipc:// from the config file).", field, False)
         dest = rest.rsplit(";", 1)[-1]  # ZMQ's `tcp://source;dest:port`: the gateway connects to dest
