@@ -38,6 +38,7 @@ from .ingest_adapter import PoolIngest
 from .membership import Membership
 from .metrics import GatewayMetrics
 from .model import ModelRuntime, ModelTable
+from .netpolicy import PolicyResolver
 from .observe import Observer, access
 from .passthrough import PassThrough
 from .planner.explain import explain as explain_decision
@@ -104,7 +105,8 @@ class Gateway:
             where = "local clients only" if cfg.listen.host in LOOPBACK_HOSTS else "disabled"
             log.warning("no admin_token: the admin API is %s (listening on %s)", where, cfg.listen.host)
         conn = aiohttp.TCPConnector(
-            limit=cfg.pool.max_connections, limit_per_host=0, keepalive_timeout=30.0, enable_cleanup_closed=True
+            limit=cfg.pool.max_connections, limit_per_host=0, keepalive_timeout=30.0, enable_cleanup_closed=True,
+            resolver=PolicyResolver(network_policy(cfg.admin)),  # names re-checked at each resolution
         )
         self.session = aiohttp.ClientSession(connector=conn, auto_decompress=False)
         self.ingest = PoolIngest()

@@ -11,7 +11,10 @@ admin API and from a worker's `/info` unless `admin.allow_ipc_events` /
 `admin.allow_event_bind` say otherwise; the config file may use them.
 
 Where a refusal shows: a 4xx at admin add, a config error at start (addresses written
-as IPs; names are resolved when the worker registers), a refused worker otherwise.
+as IPs; names are resolved when the worker registers), a refused worker otherwise. A
+name is checked again each time the gateway's HTTP client resolves it (`PolicyResolver`):
+one that resolved into the networks at registration and elsewhere later (DNS
+rebinding) is not connected to.
 """
 from __future__ import annotations
 
@@ -20,6 +23,9 @@ import ipaddress
 import socket
 from collections.abc import Sequence
 from urllib.parse import urlsplit
+
+from aiohttp.abc import AbstractResolver, ResolveResult
+from aiohttp.resolver import DefaultResolver
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -131,3 +137,30 @@ async def resolve(host: str, field: str) -> list[IPAddress]:
     except OSError:
         raise NetworkRefused(f"{field}: host {host!r} does not resolve.", field, False) from None
     return [ipaddress.ip_address(str(i[4][0]).split("%")[0]) for i in infos]
+
+
+class PolicyResolver(AbstractResolver):
+    """aiohttp's resolver, keeping only the addresses the policy allows (module doc)."""
+
+    def __init__(self, policy: NetworkPolicy, inner: AbstractResolver | None = None) -> None:
+        self.policy = policy
+        self.inner = inner if inner is not None else DefaultResolver()
+
+    async def resolve(self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET,
+                      ) -> list[ResolveResult]:
+        found = await self.inner.resolve(host, port, family)
+        allowed = [r for r in found if self._allows(r["host"])]
+        if not allowed:
+            raise OSError(f"{host}: every address it resolves to is outside the networks the gateway may "
+                          f"connect to (config admin.worker_networks)")
+        return allowed
+
+    def _allows(self, host: str) -> bool:
+        try:
+            self.policy.check_literal(host, "host")
+        except NetworkRefused:
+            return False
+        return True
+
+    async def close(self) -> None:
+        await self.inner.close()

@@ -66,3 +66,33 @@ async def test_a_worker_advertising_endpoints_outside_the_policy_is_refused(even
         await wait_until(lambda: w.state is State.REFUSED, 5.0, "the worker refused")
         assert why in w.reason and not w.in_index
         await wait_until(lambda: gw.pool.workers["good"].state is State.HEALTHY, 5.0, "the good worker healthy")
+
+
+async def test_a_name_that_later_resolves_off_the_networks_is_not_connected_to() -> None:
+    """DNS rebinding: the gateway's HTTP client re-checks every resolution."""
+    import socket
+
+    from aiohttp.abc import AbstractResolver, ResolveResult
+
+    from router.netpolicy import NetworkPolicy, PolicyResolver
+
+    class Answers(AbstractResolver):
+        def __init__(self) -> None:
+            self.hosts = ["10.0.0.7"]
+
+        async def resolve(self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET,
+                          ) -> list[ResolveResult]:
+            return [ResolveResult(hostname=host, host=h, port=port, family=family, proto=0, flags=0)
+                    for h in self.hosts]
+
+        async def close(self) -> None:
+            pass
+
+    inner = Answers()
+    r = PolicyResolver(NetworkPolicy(["10.0.0.0/8"]), inner)
+    assert [x["host"] for x in await r.resolve("worker.internal", 80)] == ["10.0.0.7"]
+    inner.hosts = [METADATA, "10.0.0.8"]
+    assert [x["host"] for x in await r.resolve("worker.internal", 80)] == ["10.0.0.8"]
+    inner.hosts = [METADATA]
+    with pytest.raises(OSError, match="outside the networks"):
+        await r.resolve("worker.internal", 80)
