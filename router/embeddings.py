@@ -109,7 +109,7 @@ class EmbeddingsRoute(CompletionRoute):
         assert gw.pool is not None and gw.session is not None
         t = gw.cfg.pool
         payload = _enc.encode({**raw, "model": w.served_model or rt.id})
-        rec = gw.pool.dispatched(w, max(1, len(payload) // 4), 0)
+        rec = gw.pool.dispatched(w, max(1, len(payload) // 4), 0)  # ~4 bytes a token: its prefill work
         timeout = aiohttp.ClientTimeout(total=t.request_timeout_s, connect=t.connect_timeout_s)
         try:
             resp = await post(gw.session, w.url + "/v1/embeddings", payload, w.id, timeout,

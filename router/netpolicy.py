@@ -33,12 +33,14 @@ IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 class NetworkRefused(ValueError):
     """An address the policy refuses; `field` names where it came from (`url`,
-    `events.endpoint`, ...), `forbidden`: a network refusal rather than a malformed one."""
+    `events.endpoint`, ...), `forbidden`: a network refusal rather than a malformed one,
+    `transient`: the name does not resolve (a worker not up yet is not refused for it)."""
 
-    def __init__(self, message: str, field: str, forbidden: bool = True) -> None:
+    def __init__(self, message: str, field: str, forbidden: bool = True, transient: bool = False) -> None:
         super().__init__(message)
         self.field = field
         self.forbidden = forbidden
+        self.transient = transient  # a name that does not resolve (yet): nothing is known against it
 
 
 class NetworkPolicy:
@@ -135,7 +137,7 @@ async def resolve(host: str, field: str) -> list[IPAddress]:
     try:
         infos = await asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM)
     except OSError:
-        raise NetworkRefused(f"{field}: host {host!r} does not resolve.", field, False) from None
+        raise NetworkRefused(f"{field}: host {host!r} does not resolve.", field, False, True) from None
     return [ipaddress.ip_address(str(i[4][0]).split("%")[0]) for i in infos]
 
 

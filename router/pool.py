@@ -371,6 +371,9 @@ class WorkerPool:
                 ev = w.events
                 await self.network.check_events(ev.endpoint, ev.replay_endpoint, ev.bind, ev is w.cfg.events)
         except NetworkRefused as e:
+            if e.transient:  # its name does not resolve yet: tried again, as an unreachable worker is
+                w.last_error = str(e)
+                return False
             self._refuse(w, str(e), "network_policy")
             return False
         return True

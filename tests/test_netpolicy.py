@@ -96,3 +96,15 @@ async def test_a_name_that_later_resolves_off_the_networks_is_not_connected_to()
     inner.hosts = [METADATA]
     with pytest.raises(OSError, match="outside the networks"):
         await r.resolve("worker.internal", 80)
+
+
+async def test_a_name_that_does_not_resolve_yet_is_not_refused() -> None:
+    """A worker whose DNS name is not there yet (its pod not up) is retried, not refused."""
+    from router.fleetconfig import WorkerConfig
+
+    cfg = _cfg()
+    cfg.workers = [WorkerConfig(id="later", url="http://worker-not-yet.invalid:9000", model=MODEL)]
+    async with fleet([FakeWorker("good", DIGEST)], cfg) as (gw, _):
+        w = gw.pool.workers["later"]
+        await wait_until(lambda: "does not resolve" in (w.last_error or ""), 5.0, "a registration attempt")
+        assert w.state is not State.REFUSED and not w.in_index
