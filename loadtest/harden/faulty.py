@@ -303,16 +303,15 @@ class Faulty:
                 await _reply(writer, 202, {"prefetch_id": "p-1", "accepted_blocks": 0, "queued": True})
                 return True
             vec = {"object": "embedding", "index": 0, "embedding": [0.5, 0.25]}
-            if mode == "huge":
-                filler = b"0.125, " * (1 << 17)  # ~0.9 MB per write
-                n = 90
-                head, tail = b'{"object": "list", "data": [{"object": "embedding", "index": 0, "embedding": [', b"1]}]}"
-                writer.write(_head(200, b"application/json",
-                                   {"content-length": str(len(head) + n * len(filler) + len(tail))}) + head)
-                for _ in range(n):
-                    writer.write(filler)
+            if mode == "huge":  # chunked: no length to refuse it by, it must be bounded while read
+                filler = b"0.125, " * (1 << 17)  # ~0.9 MB per chunk
+                writer.write(_head(200, b"application/json", {"transfer-encoding": "chunked"}))
+                _chunk(writer, b'{"object": "list", "data": [{"object": "embedding", "index": 0, "embedding": [')
+                for _ in range(90):
+                    _chunk(writer, filler)
                     await writer.drain()
-                writer.write(tail)
+                _chunk(writer, b"1]}]}")
+                _end(writer)
                 await writer.drain()
                 return True
             await _reply(writer, 200, {"object": "list", "data": [vec], "model": model or self.served[0],
