@@ -45,6 +45,17 @@ def policy_params(items: list[str]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def positive_float(s: str) -> float:
+    """An argparse type: a finite number above 0 (a rate factor divides arrival times)."""
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a number") from None
+    if not math.isfinite(v) or v <= 0.0:
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, not {s}")
+    return v
+
+
 def add_trace_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     g = p.add_argument_group("trace")
     g.add_argument("--trace", required=required, help="trace file (Mooncake JSONL, Azure CSV, BurstGPT CSV)")
@@ -54,7 +65,7 @@ def add_trace_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     g.add_argument("--duration", type=float, default=None,
                    help="bound the run: keep the arrivals of its first S seconds (after --speed)")
     g.add_argument("--limit", type=int, default=None, help="keep at most this many requests")
-    g.add_argument("--speed", type=float, default=1.0, help="arrival-rate factor (2 = twice as fast)")
+    g.add_argument("--speed", type=positive_float, default=1.0, help="arrival-rate factor (2 = twice as fast)")
     g.add_argument("--vocab-size", type=int, default=8192, help="synthesised token ids lie below this")
     g.add_argument("--seed", type=int, default=0, help="token synthesis and sharing-model seed")
     s = p.add_argument_group("prefix-sharing model for traces without prefixes (loadtest/sharing.py)")

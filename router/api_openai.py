@@ -1,5 +1,5 @@
 """The OpenAI routes of the gateway: completions and chat (the hot path), models,
-tokenize/detokenize with the gateway's own tokenizer, and embeddings forwarded.
+tokenize/detokenize with the gateway's own tokenizer (embeddings: router/embeddings.py).
 
 Completions are handled on raw ASGI (router/asgi.py): the body is read with a cap,
 the request counted once by its final status, every error answered in OpenAI's shape
@@ -10,11 +10,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import random
 from typing import Any
 
-import aiohttp
-import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvwire.linger import expects_continue
@@ -27,6 +24,8 @@ from .responses import SSE_DONE, sse_error
 from .tokenize import TokenizerError
 
 log = logging.getLogger("kvroute.api")
+END_WRITE_S = 2.0
+SHUTTING_DOWN = "The gateway is shutting down; the answer is incomplete. Retry the request."
 
 
 class CompletionRoute:
@@ -40,8 +39,19 @@ class CompletionRoute:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         out = AsgiOut(send)
         gw = self.gw
+        me = asyncio.current_task()
+        assert me is not None
         try:
-            await self._handle(scope, receive, out)
+            gw.inflight.add(me)
+            try:
+                await self._handle(scope, receive, out)
+            finally:
+                gw.inflight.discard(me)
+        except asyncio.CancelledError:
+            if not gw.inflight.ended:
+                raise
+            me.uncancel()  # the drain ended (router/drain.py): end the response here
+            gw.metrics.count_request(self.route, await end_drained(out), "-")
         except ApiError as e:
             if not out.started:
                 unread = e.headers.get("connection") == "close" and not expects_continue(scope)
@@ -49,8 +59,6 @@ class CompletionRoute:
             gw.metrics.count_request(self.route, e.status, "-")
         except ClientGone:
             gw.metrics.disconnects.inc()
-        except asyncio.CancelledError:
-            raise
         except Exception:
             rid = "req-" + os.urandom(8).hex()
             log.exception("unhandled error in %s (request id %s)", self.route, rid)
@@ -119,6 +127,7 @@ class CompletionRoute:
             gw.metrics.count_request(self.route, e.status, "-")
             await out.error(e)
             return
+        out.rid = prep.rid
         try:
             status = await gw.complete(prep, out)
         except ApiError as e:
@@ -129,6 +138,23 @@ class CompletionRoute:
             await out.error(e, prep.rid)
             return
         gw.metrics.count_request(self.route, status, prep.model.id)
+
+
+async def end_drained(out: AsgiOut) -> int:
+    """End a response the drain's end cut (router/drain.py): a 503 when nothing was sent,
+    else an SSE error event, `[DONE]` and the body's last chunk. Returns the status sent."""
+    try:
+        async with asyncio.timeout(END_WRITE_S):  # a client that reads nothing holds no one up
+            if not out.started:
+                await out.error(unavailable("The gateway is shutting down; retry the request.", 1.0,
+                                            "shutting_down"), out.rid or None)
+                return 503
+            if not out.ended:
+                tail = sse_error(SHUTTING_DOWN, "service_unavailable", "shutting_down", out.rid) + SSE_DONE
+                await out.body(tail if out.sse else b"", False)
+    except (TimeoutError, OSError, RuntimeError):  # the client is gone or stopped reading
+        pass
+    return out.status
 
 
 async def _end_with_error(out: AsgiOut, rid: str) -> None:
@@ -166,7 +192,8 @@ def model_of(gw: Gateway, name: str) -> ModelRuntime:
 
 
 class TokenizeRequest(BaseModel):
-    """vLLM's /tokenize body: a text `prompt`, or chat `messages` rendered with the template."""
+    """vLLM's /tokenize body: a text `prompt`, or chat `messages` rendered with the template.
+    Other fields are collected (not dropped) so that `refuse_unknown` can name them all."""
 
     model_config = ConfigDict(extra="allow")
     model: str
@@ -174,6 +201,8 @@ class TokenizeRequest(BaseModel):
     messages: list[dict[str, Any]] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    return_token_strs: bool | None = None
+    tools: list[dict[str, Any]] | None = None
 
 
 class DetokenizeRequest(BaseModel):
@@ -182,62 +211,53 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int] = Field(min_length=0)
 
 
+def refuse_unknown(req: BaseModel, route: str) -> None:
+    """A 400 naming every field the route does not implement: ignored, such a field would
+    make the answer silently differ from what the client asked (null counts as absent)."""
+    unknown = [k for k, v in (req.model_extra or {}).items() if v is not None]
+    if unknown:
+        names = ", ".join(f"`{k}`" for k in unknown)
+        raise bad_request(f"{route} does not support {names}; supported: "
+                          f"{', '.join(f'`{k}`' for k in type(req).model_fields)}.", unknown[0],
+                          "unsupported_parameter")
+
+
 async def tokenize(gw: Gateway, req: TokenizeRequest, scope: str) -> dict[str, Any]:
-    """The ids the gateway keys with, in vLLM's /tokenize shape (`scope`: the tenant's cache)."""
+    """The ids the gateway keys with, in vLLM's /tokenize shape (`scope`: the tenant's cache);
+    `token_strs` as vLLM fills it: the tokenizer's string for each id."""
+    refuse_unknown(req, "/tokenize")
     rt = model_of(gw, req.model)
     tok = rt.tokenizer
     tz = gw.tokenization
     try:
         if req.messages is not None:
-            extra = {"add_generation_prompt": req.add_generation_prompt}
+            extra: dict[str, Any] = {"add_generation_prompt": req.add_generation_prompt}
+            if req.tools:
+                extra["tools"] = req.tools
             if req.add_special_tokens:
                 text = tok.render_chat(req.messages, **extra)
                 ids = await tz.encode_text(tok, text, True, scope)
             else:
                 ids = await tz.encode_chat(tok, req.messages, extra, scope)
         elif req.prompt is not None:
+            if req.tools:
+                raise bad_request("`tools` applies to `messages` only.", "tools")
             specials = True if req.add_special_tokens is None else req.add_special_tokens
             ids = await tz.encode_text(tok, req.prompt, specials, scope)
         else:
             raise bad_request("Either `prompt` or `messages` is required.", "prompt")
     except TokenizerError as e:
         raise bad_request(str(e), "messages" if req.messages is not None else "prompt") from None
-    return {"count": len(ids), "max_model_len": rt.max_context, "tokens": ids.tolist(), "token_strs": None}
+    tokens = ids.tolist()
+    strs = tok.hf.convert_ids_to_tokens(tokens) if req.return_token_strs else None
+    return {"count": len(tokens), "max_model_len": rt.max_context, "tokens": tokens, "token_strs": strs}
 
 
 def detokenize(gw: Gateway, req: DetokenizeRequest) -> dict[str, Any]:
+    refuse_unknown(req, "/detokenize")
     rt = model_of(gw, req.model)
     vocab = rt.tokenizer.vocab_size
     bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
     if bad is not None:
         raise bad_request(f"Token id {bad} is outside the vocabulary (0..{vocab - 1}).", "tokens")
     return {"prompt": rt.tokenizer.hf.decode(req.tokens)}
-
-
-# --------------------------------------------------------------------------- embeddings
-
-
-async def embeddings(gw: Gateway, body: bytes) -> tuple[int, bytes, str]:
-    """Forward to a healthy worker of the model (the first that answers); its answer as sent."""
-    try:
-        model = msgspec.json.decode(body).get("model")
-    except (msgspec.DecodeError, AttributeError):
-        raise bad_request("The request body must be a JSON object with a `model`.", None, "invalid_json") from None
-    rt = model_of(gw, str(model))
-    assert gw.pool is not None and gw.session is not None
-    workers = list(gw.pool.routable(rt.id))
-    if not workers:
-        raise unavailable(f"No healthy worker serves model {rt.id!r} right now.", 1.0)
-    random.shuffle(workers)
-    last: Exception | None = None
-    for w in workers[:2]:
-        try:
-            async with gw.session.post(w.url + "/v1/embeddings", data=body,
-                                       headers={"content-type": "application/json"}) as r:
-                data = await r.read()
-                if r.status < 500:
-                    return r.status, data, r.headers.get("content-type", "application/json")
-                last = RuntimeError(f"HTTP {r.status}")
-        except (TimeoutError, aiohttp.ClientError, OSError) as e:
-            last = e
-    raise unavailable(f"No worker could answer the embeddings request ({type(last).__name__}).", 1.0)

@@ -23,10 +23,13 @@ from fastapi.openapi.utils import get_openapi
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
+from kvwire.linger import expects_continue
+
 from . import api_admin, api_openai
 from .admin_policy import open_admin_allowed
 from .api_openai import CompletionRoute, DetokenizeRequest, TokenizeRequest
-from .asgi import Receive, Scope, Send, read_body
+from .asgi import AsgiOut, Receive, Scope, Send, duplicate_credentials, read_body
+from .embeddings import EmbeddingRequest, EmbeddingsRoute
 from .errors import ApiError, bad_request, internal, not_found
 from .gateway import Gateway
 from .schema import ChatRequest, CompletionRequest
@@ -72,13 +75,18 @@ class GatewayAPI(FastAPI):
                          description="Cache-aware OpenAI-compatible router. Admin routes need the admin token.")
         self.gw = gw
         self.fast_path = fast_path
-        self._hot = {"/v1/chat/completions": CompletionRoute(gw, True), "/v1/completions": CompletionRoute(gw, False)}
+        self._hot = {"/v1/chat/completions": CompletionRoute(gw, True), "/v1/completions": CompletionRoute(gw, False),
+                     "/v1/embeddings": EmbeddingsRoute(gw)}
         _errors(self, gw)
         _openai_routes(self, gw)
         _ops_routes(self, gw)
         _admin_routes(self, gw)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and (dup := duplicate_credentials(scope)) is not None:
+            await _refuse_unread(scope, receive, send, bad_request(
+                f"The `{dup}` header is sent more than once; send it once.", dup, "duplicate_header"))
+            return
         if self.fast_path and scope["type"] == "http" and scope["method"] == "POST":
             hot = self._hot.get(scope["path"])
             if hot is not None:
@@ -91,11 +99,18 @@ class GatewayAPI(FastAPI):
         if self.openapi_schema is None:
             doc = get_openapi(title=self.title, version=self.version, description=self.description,
                               routes=self.routes)
-            _, components = msgspec.json.schema_components([ChatRequest, CompletionRequest],
+            _, components = msgspec.json.schema_components([ChatRequest, CompletionRequest, EmbeddingRequest],
                                                            ref_template="#/components/schemas/{name}")
             doc.setdefault("components", {}).setdefault("schemas", {}).update(components)
             self.openapi_schema = doc
         return self.openapi_schema
+
+
+async def _refuse_unread(scope: Scope, receive: Receive, send: Send, e: ApiError) -> None:
+    """Answer `e` before the request's body was read: the connection closes after it (a
+    bounded drain of the body first, so that the client reads the answer)."""
+    e.headers["connection"] = "close"
+    await AsgiOut(send).error(e, unread=None if expects_continue(scope) else receive)
 
 
 def _errors(app: FastAPI, gw: Gateway) -> None:
@@ -181,11 +196,9 @@ def _openai_routes(app: GatewayAPI, gw: Gateway) -> None:
         gw.tenancy.authenticate(request.headers)
         return json(api_openai.detokenize(gw, body))
 
-    @app.post("/v1/embeddings", tags=["openai"], summary="Forwarded to a worker of the model that serves it")
-    async def embeddings(request: Request) -> Response:
-        gw.tenancy.authenticate(request.headers)
-        status, data, ctype = await api_openai.embeddings(gw, await _body(request, gw.cfg.limits.max_body_bytes))
-        return Response(data, status_code=status, media_type=ctype)
+    app.add_api_route("/v1/embeddings", _completion_endpoint(app._hot["/v1/embeddings"]), methods=["POST"],
+                      tags=["openai"], name="/v1/embeddings",
+                      openapi_extra=_completion_doc("EmbeddingRequest", "Embeddings, from a worker of the model"))
 
 
 def _ops_routes(app: FastAPI, gw: Gateway) -> None:

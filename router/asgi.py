@@ -19,7 +19,8 @@ from .attempt import JSON_HEADERS
 from .direct_body import DirectBody
 from .errors import ApiError, bad_request, too_large
 
-__all__ = ["AsgiOut", "ClientGone", "Receive", "Scope", "Send", "headers_of", "read_body", "watch_disconnect"]
+__all__ = ["AsgiOut", "ClientGone", "Receive", "Scope", "Send", "duplicate_credentials", "headers_of", "read_body",
+           "watch_disconnect"]
 _enc = msgspec.json.Encoder()
 
 
@@ -28,7 +29,7 @@ class AsgiOut:
     middle parts go straight to the connection where the server allows it
     (router/direct_body.py)."""
 
-    __slots__ = ("send", "started", "status", "sse", "direct")
+    __slots__ = ("send", "started", "status", "sse", "direct", "ended", "rid")
 
     def __init__(self, send: Send) -> None:
         self.send = send
@@ -36,6 +37,8 @@ class AsgiOut:
         self.status = 0
         self.sse = False
         self.direct: DirectBody | None = None
+        self.ended = False  # the body's last part was sent
+        self.rid = ""  # the request's id, once known (an error event names it)
 
     async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self.started = True
@@ -46,6 +49,8 @@ class AsgiOut:
             self.direct = DirectBody.attach(self.send)
 
     async def body(self, data: bytes, more: bool = False) -> None:
+        if not more:
+            self.ended = True
         await self.send({"type": "http.response.body", "body": data, "more_body": more})
 
     def write_now(self, data: bytes) -> bool:
@@ -71,6 +76,23 @@ class AsgiOut:
 
 class ClientGone(Exception):
     """The client disconnected before its request body arrived: nothing to answer."""
+
+
+_CREDENTIALS = (b"authorization", b"api-key", b"x-admin-token")
+
+
+def duplicate_credentials(scope: Scope) -> str | None:
+    """The name of a credential header the request carries more than once, else None.
+    Which copy counts would differ between parsers and proxies (the last silently won
+    here): such a request is refused rather than guessed at."""
+    seen: set[bytes] = set()
+    for k, _ in scope["headers"]:
+        name: bytes = k.lower()
+        if name in _CREDENTIALS:
+            if name in seen:
+                return name.decode()
+            seen.add(name)
+    return None
 
 
 def headers_of(scope: Scope) -> dict[str, str]:

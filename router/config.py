@@ -15,6 +15,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
@@ -28,6 +29,7 @@ from .fleetconfig import (
     Strict,
     WorkerConfig,
 )
+from .netpolicy import NetworkPolicy
 from .planner.registry import make_policy, policy_params
 
 ENV_PREFIX = "KVROUTE_"
@@ -160,6 +162,8 @@ class LimitsConfig(Strict):
     max_stop_sequences: int = Field(default=4, ge=0)
     # Request bodies in flight at once, all requests together (router/budget.py): bounds memory.
     max_inflight_body_bytes: int = Field(default=256 * 1024 * 1024, gt=0)
+    # An embeddings answer the gateway relays (held whole, counted in the budget above).
+    max_embeddings_answer_bytes: int = Field(default=64 * 1024 * 1024, gt=0)
 
 
 class TraceConfig(Strict):
@@ -197,10 +201,12 @@ class AdminConfig(Strict):
     """What the admin API may do. Without `admin_token` it answers only clients on this
     host, and only while the gateway itself listens on loopback (the embedded default).
 
-    A worker added through it is fetched every second, so its URL must be a plain
-    http(s) origin on an allowed network (no credentials, path or query; host names are
-    resolved and every address checked): the gateway is not a proxy to anywhere.
-    Event endpoints from it are `tcp://` and connected to, never bound, unless allowed."""
+    `worker_networks` is the gateway's one network policy (router/netpolicy.py): every
+    address it connects to — worker URLs and KV-event endpoints, from this file, DNS
+    discovery, the admin API or a worker's `/info` — must lie on one of them (host
+    names are resolved and every address checked): the gateway is not a proxy to
+    anywhere. Event endpoints from the admin API or `/info` are `tcp://` and connected
+    to, never bound, unless `allow_ipc_events` / `allow_event_bind`."""
 
     worker_networks: list[str] = Field(default_factory=lambda: [
         "127.0.0.0/8", "::1/128", "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "fc00::/7"])
@@ -306,6 +312,20 @@ class Config(Strict):
             raise ValueError(f"{where}: unknown model {name!r}")
         return names[name]
 
+    def _check_addresses(self) -> None:
+        """Addresses written as IPs pass the network policy now (router/netpolicy.py); names
+        are resolved and checked when their worker registers."""
+        net = NetworkPolicy(self.admin.worker_networks)
+        for i, w in enumerate(self.workers):
+            net.check_literal(urlsplit(w.url).hostname or "", f"workers[{i}].url")
+            if w.events is not None:
+                net.check_events_literal(w.events.endpoint, w.events.replay_endpoint, w.events.bind,
+                                         f"workers[{i}].events")
+        for i, d in enumerate(self.discovery):
+            e = d.events
+            if e is not None and "{host}" not in e.endpoint + (e.replay_endpoint or ""):
+                net.check_events_literal(e.endpoint, e.replay_endpoint, e.bind, f"discovery[{i}].events")
+
     @model_validator(mode="after")
     def _cross(self) -> Config:
         names: dict[str, str] = {}
@@ -323,6 +343,7 @@ class Config(Strict):
             # a vLLM worker without `events` is allowed: routed by load alone (no index entries)
         for i, d in enumerate(self.discovery):
             d.model = self._model_id(f"discovery[{i}].model", d.model, names)
+        self._check_addresses()
         keys: dict[str, str] = {}
         tids = set()
         for t in self.tenants:

@@ -184,6 +184,9 @@ class Exchange:
         finally:
             w = self.writer
             if w is not None and not w.done():
+                me = asyncio.current_task()
+                if me is not None and me.cancelling():
+                    w.cancel()  # the request is ending (client gone, drain over): no wait on the client
                 await asyncio.wait({w})
 
     def abort(self) -> None:

@@ -18,17 +18,19 @@ import logging
 import time
 from collections.abc import Coroutine, Mapping
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 from prometheus_client.core import Metric
 
 from . import admin, upstream
-from .admin_policy import LOOPBACK_HOSTS
+from .admin_policy import LOOPBACK_HOSTS, network_policy
 from .attempt import Attempt, Out
 from .binding import Binder
 from .budget import ByteBudget
 from .config import Config
 from .discovery import Discovery
+from .drain import InFlight
 from .errors import ApiError, rate_limited, unavailable, upstream_failed
 from .fidelity import KeyFidelity
 from .fleetconfig import WorkerConfig
@@ -36,6 +38,7 @@ from .ingest_adapter import PoolIngest
 from .membership import Membership
 from .metrics import GatewayMetrics
 from .model import ModelRuntime, ModelTable
+from .netpolicy import PolicyResolver
 from .observe import Observer, access
 from .passthrough import PassThrough
 from .planner.explain import explain as explain_decision
@@ -49,6 +52,7 @@ from .prefetch import Prefetch, Prefetcher, prefetch_rule
 from .prepare import Prepared, Preparer
 from .proxy import UpstreamError
 from .recorder import TraceRecorder
+from .redact import worker_message
 from .relay import Relay
 from .tenancy import Tenancy, Tenant
 from .tokenize import Tokenization, Tokenizer
@@ -89,6 +93,7 @@ class Gateway:
         self.binder = Binder(cfg.routing.gateway_queue, self._predicted_queues, self.metrics)
         self.membership: Membership | None = None
         self.discovery: Discovery | None = None
+        self.inflight = InFlight()  # the requests the end of a drain must end (router/drain.py)
         self.stopping = False  # SIGTERM: not ready, finishing what is in flight
         self.started = False
 
@@ -102,6 +107,7 @@ class Gateway:
         conn = aiohttp.TCPConnector(
             limit=cfg.pool.max_connections, limit_per_host=0, keepalive_timeout=upstream.MAX_IDLE_S,
             enable_cleanup_closed=True,
+            resolver=PolicyResolver(network_policy(cfg.admin)),  # names re-checked at each resolution
         )
         self.session = aiohttp.ClientSession(connector=conn, auto_decompress=False)
         self.ingest = PoolIngest()
@@ -120,6 +126,7 @@ class Gateway:
                                      cfg.pool.connect_timeout_s)
         self.relay = Relay(self.session, self.pool, self.observer, cfg.pool)
         self.pool.probe.upstream = self.relay.upstream  # keep-alive polls, closed with the relay
+        self.pool.network = network_policy(cfg.admin)
         self.passthrough = PassThrough(self.session, self.pool, self.observer, cfg.pool)
         self.membership = Membership(self.pool)
         await self.membership.set_static(cfg.workers, "config")
@@ -229,8 +236,12 @@ class Gateway:
 
     def _candidates(self, prep: Prepared) -> list[Worker]:
         """Healthy workers of the model that can serve the request as asked, under their caps."""
+        return self.candidates(prep.model, prep.ours_error)
+
+    def candidates(self, model: ModelRuntime, ours_error: ApiError | None = None) -> list[Worker]:
+        """Healthy workers of `model` under their caps (only vLLM ones with `ours_error`: what
+        our workers cannot serve); 429/503 when there is none."""
         assert self.pool is not None
-        model = prep.model
         workers = self.pool.routable(model.id)
         if not workers:
             failing = self.pool.healthy(model.id)  # alive, but out of routing by their breakers
@@ -241,10 +252,10 @@ class Gateway:
                                    max(wait, self.cfg.routing.default_retry_after_s), "workers_failing")
             self.metrics.child(self.metrics.shed, "no_healthy_worker").inc()
             raise unavailable(f"No healthy worker serves model {model.id!r} right now.", 1.0)
-        if prep.ours_error is not None:  # only pass-through workers take what ours do not implement
+        if ours_error is not None:  # only pass-through workers take what ours do not implement
             workers = [w for w in workers if w.kind == "vllm"]
             if not workers:
-                raise prep.ours_error
+                raise ours_error
         open_ = self._open(workers)
         if not open_:
             self.metrics.child(self.metrics.shed, "worker_caps").inc()
@@ -335,6 +346,7 @@ class Gateway:
         order = [d.worker_id] + [w for w in d.ranked if w != d.worker_id][:retries]
         estimates = {e.worker_id: e for e in d.estimates}
         last: UpstreamError | None = None
+        last_w: Worker | None = None
         tried = 0
         for wid in order:
             w = self.pool.workers.get(wid)
@@ -350,7 +362,7 @@ class Gateway:
             except UpstreamError as e:
                 if not e.retryable:
                     raise (e.api_error or upstream_failed("A worker failed to answer.")) from None
-                last = e
+                last, last_w = e, w
                 log.warning("request %s: worker %s failed before the first byte: %s", prep.rid, w.id, e)
         if last is not None and last.api_error is not None and last.api_error.status == 429:
             m.child(m.shed, "worker_429").inc()
@@ -358,9 +370,11 @@ class Gateway:
         if last is None:
             raise unavailable("No healthy worker could take this request.", 1.0)
         log.warning("request %s: no worker answered (%d tried): %s", prep.rid, tried, last)
+        said = _worker_said(last, last_w)
+        why = f" (the worker said: {said})" if said else ""
         if tried > 1:
-            raise upstream_failed(f"The {tried} workers tried failed before answering; retry the request.")
-        raise upstream_failed("The worker failed before answering; retry the request.")
+            raise upstream_failed(f"The {tried} workers tried failed before answering{why}; retry the request.")
+        raise upstream_failed(f"The worker failed before answering{why}; retry the request.")
 
     async def _attempt(
         self, prep: Prepared, d: Decision, rr: RouteRequest, w: Worker, est: Estimate | None, out: Out,
@@ -424,6 +438,14 @@ class Gateway:
         if self.pool is None:
             return []
         return admin.state_gauges(self.pool, self.models, self.ingest)
+
+
+def _worker_said(e: UpstreamError, w: Worker | None) -> str | None:
+    """A failed worker's own 5xx message, fit for the client (router/redact.py)."""
+    if e.said is None or w is None:
+        return None
+    host = urlsplit(w.url).hostname or ""
+    return worker_message(e.said, (w.id, w.url, host))
 
 
 def _models(cfg: Config) -> ModelTable:

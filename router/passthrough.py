@@ -61,7 +61,13 @@ class PassThrough:
             body["cache_salt"] = salt
         if prep.stream:
             so = body.get("stream_options")
-            body["stream_options"] = {**(so if isinstance(so, dict) else {}), "include_usage": True}
+            so = {**(so if isinstance(so, dict) else {}), "include_usage": True}
+            if not prep.include_usage and so.get("continuous_usage_stats"):
+                # vLLM sends per-chunk usage only when both are set; include_usage is set here
+                # for the gateway's own count, so per-chunk usage the client did not get
+                # from vLLM is not asked for either (the same answer as without the gateway).
+                so["continuous_usage_stats"] = False
+            body["stream_options"] = so
         return _enc.encode(body)
 
     async def run(self, a: Attempt, out: Out) -> int:

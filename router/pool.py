@@ -31,6 +31,7 @@ from .config import PoolConfig
 from .costs import cost_params, pins, speeds_stated
 from .fleetconfig import EventsConfig, WorkerConfig
 from .model import ModelRuntime
+from .netpolicy import NetworkPolicy, NetworkRefused
 from .planner.fleet import FleetWorker
 from .planner.inflight import InflightLedger
 from .planner.types import Estimate, WorkerView
@@ -89,6 +90,7 @@ class WorkerPool:
         self._breakers_until = 0.0  # no breaker is open after this time
         self.probe = Probe(session, cfg.probe_timeout_s, cfg.connect_timeout_s)
         self.changed = asyncio.Event()
+        self.network: NetworkPolicy | None = None  # set by the gateway: what registration may connect to
 
     # ------------------------------------------------------------------ membership
 
@@ -293,6 +295,8 @@ class WorkerPool:
 
     async def _register(self, w: Worker) -> bool:
         model = w.model
+        if not await self._network_allows(w, False):
+            return False
         if not await self._check_health(w):
             return False
         if w.kind == "kvroute":
@@ -351,6 +355,8 @@ class WorkerPool:
         w.fleet.speed = None
         w.view.speeds_fitted = False
         w.view.speeds_known = speeds_stated(model, w.cfg.cost, w.kind)
+        if not await self._network_allows(w, True):
+            return False
         try:
             self._join(w)
         except (IndexError_, ValueError, OSError) as e:
@@ -365,6 +371,25 @@ class WorkerPool:
         w.index_target = await self._republish(w)
         w.registered_at = time.monotonic()
         self._set_state(w, State.HEALTHY, "")
+        return True
+
+    async def _network_allows(self, w: Worker, events: bool) -> bool:
+        """Its URL (or, `events`, its event endpoints, trusted only as configured) passes the
+        network policy (router/netpolicy.py); refused otherwise, before anything connects."""
+        if self.network is None:
+            return True
+        try:
+            if not events:
+                await self.network.check_url(w.cfg.url)
+            elif w.events is not None:
+                ev = w.events
+                await self.network.check_events(ev.endpoint, ev.replay_endpoint, ev.bind, ev is w.cfg.events)
+        except NetworkRefused as e:
+            if e.transient:  # its name does not resolve yet: tried again, as an unreachable worker is
+                w.last_error = str(e)
+                return False
+            self._refuse(w, str(e), "network_policy")
+            return False
         return True
 
     async def _republish(self, w: Worker) -> int | None:

@@ -18,7 +18,7 @@ import aiohttp
 from yarl import URL
 
 from .errors import ApiError
-from .schema import api_error_from_upstream
+from .schema import api_error_from_upstream, upstream_error_message
 
 _DONE = b"[DONE]"
 _MAX_EVENT = 8 << 20
@@ -33,6 +33,7 @@ class UpstreamError(Exception):
     api_error: ApiError | None = None  # what the client should see if not retried
     phase: str = "connect"
     status: int | None = None  # the worker's HTTP status, when it answered with one
+    said: str | None = None  # a 5xx answer's own message, as the worker wrote it (router/redact.py)
 
     @property
     def worker_trouble(self) -> bool:
@@ -154,9 +155,14 @@ async def post(
         body = b""
     finally:
         resp.release()
-    err = api_error_from_upstream(resp.status, body)
-    raise UpstreamError(f"worker {worker_id} answered HTTP {resp.status}", retryable, api_error=err, phase="status",
-                        status=resp.status)
+    raise status_error(worker_id, resp.status, body, retryable)
+
+
+def status_error(worker_id: str, status: int, body: bytes, retryable: bool) -> UpstreamError:
+    """A worker's answer with a status the relay does not pass on as it is."""
+    said = upstream_error_message(body)[0] if status >= 500 and body else None
+    return UpstreamError(f"worker {worker_id} answered HTTP {status}", retryable,
+                         api_error=api_error_from_upstream(status, body), phase="status", status=status, said=said)
 
 
 class _Aborted(Exception):

@@ -25,7 +25,7 @@ from .exchange import ClientStream, Exchange
 from .observe import Observer
 from .pool import WorkerPool
 from .prepare import Prepared
-from .proxy import JSON_SSE, UpstreamError, UpstreamStream, open_stream
+from .proxy import JSON_SSE, UpstreamError, UpstreamStream, open_stream, status_error
 from .responses import (
     SSE_DONE,
     STREAM_FAILED,
@@ -38,7 +38,7 @@ from .responses import (
     sse_error,
     usage_chunk,
 )
-from .schema import api_error_from_upstream, up_chunk_decoder
+from .schema import up_chunk_decoder
 from .upstream import Conn, UpstreamPool, request_head
 from .worker import Worker
 
@@ -210,9 +210,7 @@ class Relay:
                     if status != 200:
                         await ex.whole_fut
                         retryable = status in (408, 429, 503) or status >= 500
-                        raise UpstreamError(f"worker {w.id} answered HTTP {status}", retryable,
-                                            api_error=api_error_from_upstream(status, bytes(ex.err_body)),
-                                            phase="status", status=status)
+                        raise status_error(w.id, status, bytes(ex.err_body), retryable)
                     self.pool.accepted(a.rec)
                     try:
                         batch = await ex.next_batch()

@@ -35,6 +35,7 @@ class Message(msgspec.Struct, forbid_unknown_fields=False):
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=False):
     include_usage: bool = False
+    continuous_usage_stats: bool | None = None  # vLLM: usage on every chunk, with include_usage
 
 
 class _Common(msgspec.Struct, forbid_unknown_fields=False, kw_only=True):
@@ -128,6 +129,10 @@ def ours_problem(raw: dict[str, Any], r: ChatRequest | CompletionRequest, max_st
     fields = unsupported_fields(raw, chat)
     if fields:
         f = fields[0]
+        return bad_request(f"`{f}` is not supported by this model's workers.", f, "unsupported_parameter")
+    so = r.stream_options
+    if so is not None and so.include_usage and so.continuous_usage_stats:
+        f = "stream_options.continuous_usage_stats"
         return bad_request(f"`{f}` is not supported by this model's workers.", f, "unsupported_parameter")
     part = unsupported_content(raw.get("messages")) if chat else None
     if part is not None:

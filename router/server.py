@@ -48,7 +48,6 @@ def serve(cfg: Config, config_path: str | Path | None = None, reuse_port: bool =
     already), applied again to every re-read one."""
     gw = Gateway(cfg)
     ucfg = uvicorn_config(GatewayAPI(gw), cfg)
-    ucfg.timeout_graceful_shutdown = int(math.ceil(cfg.shutdown.drain_timeout_s))
     setup_logging(cfg.observability.log_level, cfg.observability.log_format,  # after uvicorn set up its own
                   cfg.observability.access_log)
     server = GatewayServer(ucfg, gw, cfg.shutdown.grace_s, Path(config_path) if config_path else None, overrides)
@@ -99,14 +98,41 @@ class ReadBeforeClose(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-class GatewayServer(ReadBeforeClose):
+class DrainingServer(ReadBeforeClose):
+    """A shutdown whose drain ends the gateway's way: when `drain_s` has passed, every
+    request still in flight ends its own response (router/drain.py: an SSE error event
+    and a terminated body, or a 503), and the server waits for them. uvicorn's own end
+    of a drain — cancelling the handlers, which cuts their streams and logs a traceback
+    each — is kept only as a backstop, `END_S` later."""
+
+    END_S = 3.0
+
+    def __init__(self, config: uvicorn.Config, gw: Gateway, drain_s: float) -> None:
+        config.timeout_graceful_shutdown = int(math.ceil(drain_s + self.END_S))
+        super().__init__(config)
+        self.gw = gw
+        self.drain_s = drain_s
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        end = asyncio.get_running_loop().call_later(self.drain_s, self._end_drain)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            end.cancel()
+
+    def _end_drain(self) -> None:
+        n = self.gw.inflight.end_all()
+        if n:
+            log.warning("drain timeout (%.1f s) ended: %d request(s) in flight end with an error", self.drain_s, n)
+
+
+class GatewayServer(DrainingServer):
     """uvicorn with the gateway's signals. Handlers only set flags (they run between
     bytecodes of whatever was running); `on_tick`, every 0.1 s on the loop, acts on them."""
 
     def __init__(self, config: uvicorn.Config, gw: Gateway, grace_s: float, config_path: Path | None,
                  overrides: Callable[[Config], None] | None = None) -> None:
-        super().__init__(config)
-        self.gw = gw
+        super().__init__(config, gw, gw.cfg.shutdown.drain_timeout_s)
         self.grace_s = grace_s
         self.config_path = config_path
         self.overrides = overrides
@@ -130,8 +156,7 @@ class GatewayServer(ReadBeforeClose):
         if self.gw.stopping and not self._announced:
             self._announced = True
             log.info("stopping: /ready answers 503; requests are taken for %.1f s more, then those in flight "
-                     "get %d s to finish", self.grace_s if self._stop_at else 0.0,
-                     self.config.timeout_graceful_shutdown or 0)
+                     "get %.1f s to finish", self.grace_s if self._stop_at else 0.0, self.drain_s)
         if self._stop_at is not None and time.monotonic() >= self._stop_at:
             self.should_exit = True
         if self.should_exit:  # in flight from now on: what the gateway holds binds now
@@ -154,7 +179,7 @@ class GatewayServer(ReadBeforeClose):
         log.info("SIGHUP: config reloaded from %s", self.config_path, extra={"kv": diff})
 
 
-class _EmbeddedServer(ReadBeforeClose):
+class EmbeddedServer(DrainingServer):
     """A uvicorn server inside someone else's loop: signals stay its owner's business."""
 
     @contextlib.contextmanager
@@ -180,7 +205,7 @@ async def running_gateway(cfg: Config, *, ready_timeout: float | None = None) ->
     port = sock.getsockname()[1]
     ucfg = uvicorn.Config(GatewayAPI(gw, manage_lifespan=False), loop="none", http="httptools", lifespan="off",
                           access_log=False, log_level="warning", timeout_keep_alive=30)
-    server = _EmbeddedServer(ucfg)
+    server = EmbeddedServer(ucfg, gw, cfg.shutdown.drain_timeout_s)
     task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
     try:
         while not server.started:

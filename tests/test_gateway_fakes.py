@@ -31,6 +31,7 @@ class FakeWorker:
     block_bytes: int = 2097152
     capabilities: tuple[str, ...] = ("prefetch", "purge")
     fail_status: int | None = None  # answer completions with this status
+    fail_message: str | None = None  # ... and this error message (default: "injected <status>")
     die_after_chunks: int | None = None  # close the connection after N chunks
     stall_after_chunks: int | None = None  # say nothing more after N chunks (a hung worker)
     first_delay_s: float = 0.0
@@ -50,11 +51,16 @@ class FakeWorker:
     gpu_blocks: int | None = None  # vLLM's num_gpu_blocks in /metrics (None: not exported)
     prompt_skew: int = 0  # counts this many more prompt tokens than the bundled tokenizer (a mis-keyed worker)
     embeddings: list[dict[str, Any]] = field(default_factory=list)
+    embedding_headers: list[dict[str, str]] = field(default_factory=list)
+    embeddings_status: int = 200  # answer /v1/embeddings with this status ...
+    embeddings_body: bytes | None = None  # ... and this body (default: a two-number vector)
+    embeddings_delay_s: float = 0.0  # say nothing, not even the status line, for this long
     completion_headers: list[dict[str, str]] = field(default_factory=list)  # each completion request's headers
     probes: list[dict[str, Any]] = field(default_factory=list)  # speed probes at join (x-kvroute-probe)
     probe_tps: float | None = None  # answer probes as an engine of this prefill speed (None: at once)
     probe_overhead_s: float = 0.0
     probe_status: int = 200
+    events: dict[str, Any] | None = None  # what /info advertises as its KV-event endpoints
     port: int = 0
 
     @property
@@ -71,7 +77,7 @@ class FakeWorker:
             "block_size": self.block_size,
             "block_bytes": self.block_bytes,
             "max_context_tokens": 131072,
-            "events": None,
+            "events": self.events,
             "remote_group": None,
             "capabilities": list(self.capabilities),
         }
@@ -140,8 +146,16 @@ class FakeWorker:
             await reply(200, {"object": "list", "data": [{"id": self.model, "object": "model", "root": self.model}]})
         elif path == "/v1/embeddings":
             self.embeddings.append(msgspec.json.decode(body))
-            await reply(200, {"object": "list", "data": [{"object": "embedding", "index": 0, "embedding": [0.5, 0.25]}],
-                              "model": self.model, "usage": {"prompt_tokens": 2, "total_tokens": 2}})
+            self.embedding_headers.append({k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]})
+            await asyncio.sleep(self.embeddings_delay_s)
+            if self.embeddings_body is not None:
+                await send({"type": "http.response.start", "status": self.embeddings_status,
+                            "headers": [(b"content-type", b"application/json")]})
+                await send({"type": "http.response.body", "body": self.embeddings_body})
+                return
+            await reply(self.embeddings_status, {"object": "list", "data": [
+                {"object": "embedding", "index": 0, "embedding": [0.5, 0.25]}],
+                "model": self.model, "usage": {"prompt_tokens": 2, "total_tokens": 2}})
         elif path in ("/v1/completions", "/v1/chat/completions"):
             hdrs = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
             if "x-kvroute-probe" in hdrs:  # the gateway measuring a worker's speed at join
@@ -170,8 +184,8 @@ class FakeWorker:
         `kv` timings only for the gateway's requests to our workers (they carry `kv`)."""
         self.completions.append(req)
         if self.fail_status is not None:
-            await reply(self.fail_status, {"error": {"message": f"injected {self.fail_status}", "type": "x",
-                                                     "param": None, "code": None}})
+            msg = self.fail_message or f"injected {self.fail_status}"
+            await reply(self.fail_status, {"error": {"message": msg, "type": "x", "param": None, "code": None}})
             return
         await asyncio.sleep(self.headers_delay_s)
         n = int(req.get("max_tokens") or req.get("max_completion_tokens") or 4)
@@ -194,6 +208,9 @@ class FakeWorker:
                     return
 
         watcher = asyncio.ensure_future(watch())
+        so = req.get("stream_options") or {}
+        # vLLM: usage on every chunk only when both are set
+        per_chunk = usage if so.get("include_usage") and so.get("continuous_usage_stats") else None
         try:
             await asyncio.sleep(self.first_delay_s)
             for i in range(n):
@@ -201,7 +218,8 @@ class FakeWorker:
                     raise ConnectionResetError("injected death")
                 if self.stall_after_chunks is not None and i >= self.stall_after_chunks:
                     await asyncio.Event().wait()  # until the client goes away
-                await send({"type": "http.response.body", "body": _event(_chunk(chat, i, n)), "more_body": True})
+                await send({"type": "http.response.body", "body": _event(_chunk(chat, i, n, per_chunk)),
+                            "more_body": True})
                 if self.token_delay_s:
                     await asyncio.sleep(self.token_delay_s)
             tail = b""
@@ -236,14 +254,18 @@ def _event(obj: Any) -> bytes:
     return b"data: " + _enc.encode(obj) + b"\n\n"
 
 
-def _chunk(chat: bool, i: int, n: int) -> dict[str, Any]:
+def _chunk(chat: bool, i: int, n: int, usage: dict[str, Any] | None = None) -> dict[str, Any]:
     finish = "length" if i == n - 1 else None
     if chat:
         delta: dict[str, Any] = {"content": f"t{i} "} if i else {"role": "assistant", "content": f"t{i} "}
-        return {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "fake-model",
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
-    return {"id": "x", "object": "text_completion", "created": 0, "model": "fake-model",
-            "choices": [{"index": 0, "text": f"t{i} ", "finish_reason": finish, "logprobs": None}]}
+        c = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "fake-model",
+             "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+    else:
+        c = {"id": "x", "object": "text_completion", "created": 0, "model": "fake-model",
+             "choices": [{"index": 0, "text": f"t{i} ", "finish_reason": finish, "logprobs": None}]}
+    if usage is not None:
+        c["usage"] = usage
+    return c
 
 
 def _whole(chat: bool, n: int, usage: dict[str, Any]) -> dict[str, Any]:

@@ -297,3 +297,15 @@ def test_burst_jitter_is_shared_by_requests_issued_together() -> None:
     assert extra[0] == pytest.approx(extra[1], abs=1e-9)  # one draw for the burst at t=0
     assert 0.0 < extra[0] < 0.5 and 0.0 <= extra[2] < 0.5
     assert extra[2] != pytest.approx(extra[0], abs=1e-6)  # a new draw at t=5
+
+
+@pytest.mark.parametrize("speed", ["0", "-2", "nan"])
+def test_a_speed_that_is_no_rate_is_refused_by_the_arguments(speed: str, tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """`--speed 0` divided arrival times (a ZeroDivisionError traceback): exit 2 with the reason."""
+    with pytest.raises(SystemExit) as ei:
+        main(["simulate", "--trace", MOONCAKE, "--limit", "5", "--workers", "2", "--policies", "round_robin",
+              "--speed", speed, "--out", str(tmp_path)])
+    assert ei.value.code == 2
+    err = capsys.readouterr().err
+    assert "--speed" in err and "above 0" in err and "Traceback" not in err

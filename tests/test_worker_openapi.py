@@ -28,7 +28,7 @@ ROUTES = {
     ("/v1/models/{model_id}", "get"), ("/tokenize", "post"), ("/detokenize", "post"), ("/load", "get"),
     ("/info", "get"), ("/health", "get"), ("/metrics", "get"), ("/kv/prefetch", "post"),
     ("/kv/prefetch/{prefetch_id}", "delete"), ("/kv/blocks", "get"), ("/kv/blocks", "post"), ("/kv/purge", "post"),
-    ("/kv/republish", "post"),
+    ("/kv/republish", "post"), ("/v1/embeddings", "post"),
 }
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
 
@@ -112,7 +112,7 @@ async def test_fastapi_errors_are_openai_shaped(sim: SimDriver) -> None:
     app.add_api_route("/probe", probe, methods=["GET"])  # a typed parameter: FastAPI validates it
     async with client(app) as http:
         assert assert_error(await http.get("/nope"), 404)["code"] == "unknown_url"
-        assert_error(await http.post("/v1/embeddings", json={}), 404)
+        assert_error(await http.post("/v1/embeddings", json={}), 400, "input")
         r = await http.get("/v1/completions")
         assert assert_error(r, 405)["code"] == "method_not_allowed" and r.headers["allow"] == "POST"
         assert_error(await http.put("/kv/purge", json={}), 405)

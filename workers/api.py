@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from kvwire import LoadReport, WorkerInfo
 from workers.usage import Usage
@@ -155,3 +155,10 @@ class Engine(Protocol):
         ...
 
 
+@runtime_checkable
+class Embeds(Protocol):
+    """An engine that answers /v1/embeddings: a unit vector per token sequence."""
+
+    def embed(self, ids: list[int], dimensions: int | None) -> list[float]:
+        """Raises ValueError for `dimensions` the engine cannot give (a 400)."""
+        ...

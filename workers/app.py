@@ -29,7 +29,7 @@ from starlette.types import Receive, Scope, Send
 
 from kvwire import EventsInfo
 from kvwire.linger import LingeringClose
-from workers.api import Engine
+from workers.api import Embeds, Engine
 from workers.errors import BadRequest, EngineError
 from workers.metrics import WorkerMetrics
 from workers.schema import (
@@ -38,6 +38,7 @@ from workers.schema import (
     ChatBody,
     CompletionBody,
     DetokenizeBody,
+    EmbeddingBody,
     PrefetchBody,
     PurgeBody,
     TokenizeBody,
@@ -52,6 +53,7 @@ from workers.web.common import (
     from_engine_error,
 )
 from workers.web.completions import CompletionHandlers
+from workers.web.embeddings import EmbeddingHandlers
 from workers.web.kv import KVHandlers
 from workers.web.models import ModelHandlers
 from workers.web.ops import OpsHandlers
@@ -179,6 +181,8 @@ class WorkerApp:
         self.models = ModelHandlers(engine.tokenizer, models, limits)
         self.kv = KVHandlers(engine, limits, peer_token)
         self.ops = OpsHandlers(engine, self.metrics, url, events, peer_export=bool(peer_token))
+        # /v1/embeddings only where the engine embeds (the simulated one); elsewhere a 404
+        self.embed = EmbeddingHandlers(engine, engine.tokenizer, models, limits) if isinstance(engine, Embeds) else None
 
     def routes(self) -> list[RouteSpec]:
         o, m, kv, ops = self.openai, self.models, self.kv, self.ops
@@ -196,6 +200,9 @@ class WorkerApp:
                       TokenizeBody),
             RouteSpec("/detokenize", "detokenize", "POST", m.detokenize, "Token ids to text (vLLM's shape)",
                       DetokenizeBody),
+            *([RouteSpec("/v1/embeddings", "embeddings", "POST", self.embed.embeddings,
+                         "OpenAI embeddings (deterministic vectors from the tokens)", EmbeddingBody)]
+              if self.embed is not None else []),
             RouteSpec("/kv/prefetch", "prefetch", "POST", kv.prefetch, "Raise blocks toward GPU", PrefetchBody),
             RouteSpec("/kv/prefetch/{prefetch_id}", "prefetch_cancel", "DELETE", kv.prefetch_cancel,
                       "Cancel a prefetch", params=(pid,)),

@@ -84,6 +84,16 @@ class DetokenizeBody(msgspec.Struct, forbid_unknown_fields=True):
     model: str | None = None
 
 
+class EmbeddingBody(msgspec.Struct, forbid_unknown_fields=True):
+    """POST /v1/embeddings (OpenAI's shape): a text, texts, token ids or lists of them."""
+
+    input: str | list[str | int | list[int]]
+    model: str | None = None
+    encoding_format: str | None = None  # "float" (the default) or "base64" (little-endian float32)
+    dimensions: int | None = None
+    user: str | None = None
+
+
 class PeerBody(msgspec.Struct):
     url: str
     worker_id: str | None = None
@@ -122,5 +132,6 @@ class ErrorBody(msgspec.Struct):
 
 # Bodies documented in /openapi.json under components/schemas (by class name).
 DOCUMENTED: tuple[type[msgspec.Struct], ...] = (
-    CompletionBody, ChatBody, TokenizeBody, DetokenizeBody, PrefetchBody, BlocksBody, PurgeBody, ErrorBody,
+    CompletionBody, ChatBody, TokenizeBody, DetokenizeBody, EmbeddingBody, PrefetchBody, BlocksBody, PurgeBody,
+    ErrorBody,
 )

@@ -24,6 +24,13 @@ request when recording). Modes (what a completion request gets):
     sick          from the first completion on, `/health` and `/load` answer 500 and every
                   completion stalls (odd ones before their first byte, even ones after one chunk)
     record        a plain HTTP service that is no worker: 404 everywhere, every request recorded
+    s202          (embeddings) 202 with a prefetch's body: a status no OpenAI route answers
+    huge          (embeddings) 200 with an 80 MB JSON answer
+
+`POST /v1/embeddings` gets: nothing in `hang`/`sick`, the 500 of `s500`, the 429 of `s429`,
+`s202` and `huge` above, else a two-number vector; each one's `model` and `X-Request-Id`
+are in `/_stats`' log. `--events`/`--replay` set what `/info` advertises as its KV-event
+endpoints (none by default).
 
 `/health`, `/info`, `/load` and `/v1/models` answer normally in every mode but `sick`
 and `record`. Nothing here is imported by the gateway or the workers.
@@ -46,7 +53,7 @@ _TRACEBACK = (
     f"    conn = connect('{INTERNAL_MARKER}')\nRuntimeError: CUDA error: an illegal memory access was encountered"
 )
 MODES = ("ok", "hang", "stall", "garbage", "truncated", "s500", "s429", "reset_first", "reset_mid",
-         "exit_first", "exit_mid", "sick", "record")
+         "exit_first", "exit_mid", "sick", "record", "s202", "huge")
 _REASONS = {200: "OK", 202: "Accepted", 404: "Not Found", 405: "Method Not Allowed", 429: "Too Many Requests",
             500: "Internal Server Error", 503: "Service Unavailable"}
 
@@ -68,6 +75,7 @@ class Faulty:
         self.closed_by_peer = 0
         self.sick = False
         self.log: list[dict[str, Any]] = []
+        self.events = {"endpoint": a.events, "replay_endpoint": a.replay, "topic": "kv"} if a.events else None
 
     # ------------------------------------------------------------------ server
 
@@ -135,6 +143,8 @@ class Faulty:
                  "max_model_len": 8192} for n in self.served]})
         elif path in ("/v1/completions", "/v1/chat/completions") and method == "POST":
             return await self._complete(req, path.endswith("/chat/completions"), reader, writer)
+        elif path == "/v1/embeddings" and method == "POST":
+            return await self._embed(req, reader, writer)
         elif path.startswith("/kv/prefetch"):
             body = json.loads(req["body"] or b"{}") if method == "POST" else {}
             await _reply(writer, 202 if method == "POST" else 200,
@@ -149,7 +159,7 @@ class Faulty:
     def _info(self) -> dict[str, Any]:
         return {"worker_id": self.worker_id, "kind": "kvroute", "engine": "faulty", "model": self.model,
                 "served_model_names": self.served, "namespace_digest": self.digest, "block_size": self.block_size,
-                "block_bytes": 65536, "max_context_tokens": 8192, "events": None, "remote_group": None,
+                "block_bytes": 65536, "max_context_tokens": 8192, "events": self.events, "remote_group": None,
                 "capabilities": ["prefetch", "purge"]}
 
     def _load(self) -> dict[str, Any]:
@@ -251,9 +261,15 @@ class Faulty:
                 os._exit(17)
             await self._wait_peer(reader)
             return False
-        # ok
+        # ok; vLLM sends usage on every chunk when both stream options are set
+        so = body.get("stream_options")
+        per_chunk = self.kind == "vllm" and isinstance(so, dict) and bool(so.get("include_usage")) \
+            and bool(so.get("continuous_usage_stats"))
         for i in range(n):
-            _chunk(writer, _event(self._chunk(body, chat, i, n)))
+            c = self._chunk(body, chat, i, n)
+            if per_chunk:
+                c["usage"] = self._usage(body, i + 1)
+            _chunk(writer, _event(c))
             await writer.drain()
             if self.token_delay:
                 await asyncio.sleep(self.token_delay)
@@ -265,6 +281,44 @@ class Faulty:
         _end(writer)
         await writer.drain()
         return True
+
+    async def _embed(self, req: dict[str, Any], reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        """/v1/embeddings in the current mode (module doc)."""
+        try:
+            body = json.loads(req["body"] or b"{}")
+        except ValueError:
+            body = {}
+        model = body.get("model") if isinstance(body, dict) else None
+        self.log.append({"path": "/v1/embeddings", "model": model, "t": time.time(),
+                         "x-request-id": req["headers"].get("x-request-id")})
+        mode = self.mode
+        self.open += 1
+        try:
+            if mode in ("hang", "sick"):
+                await self._wait_peer(reader)
+                return False
+            if mode in ("s500", "s429"):
+                return await self._answer(mode, {}, False, reader, writer)
+            if mode == "s202":
+                await _reply(writer, 202, {"prefetch_id": "p-1", "accepted_blocks": 0, "queued": True})
+                return True
+            vec = {"object": "embedding", "index": 0, "embedding": [0.5, 0.25]}
+            if mode == "huge":  # chunked: no length to refuse it by, it must be bounded while read
+                filler = b"0.125, " * (1 << 17)  # ~0.9 MB per chunk
+                writer.write(_head(200, b"application/json", {"transfer-encoding": "chunked"}))
+                _chunk(writer, b'{"object": "list", "data": [{"object": "embedding", "index": 0, "embedding": [')
+                for _ in range(90):
+                    _chunk(writer, filler)
+                    await writer.drain()
+                _chunk(writer, b"1]}]}")
+                _end(writer)
+                await writer.drain()
+                return True
+            await _reply(writer, 200, {"object": "list", "data": [vec], "model": model or self.served[0],
+                                       "usage": {"prompt_tokens": 2, "total_tokens": 2}})
+            return True
+        finally:
+            self.open -= 1
 
     async def _wait_peer(self, reader: asyncio.StreamReader) -> None:
         """Hold the request open until the peer closes the connection."""
@@ -400,6 +454,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--tokens", type=int, default=8, help="chunks per answer (at most; max_tokens caps it)")
     ap.add_argument("--token-delay", type=float, default=0.0)
+    ap.add_argument("--events", default=None, help="the KV-event endpoint /info advertises")
+    ap.add_argument("--replay", default=None, help="the replay endpoint /info advertises")
     a = ap.parse_args(argv)
     try:
         asyncio.run(Faulty(a).serve(a.port))

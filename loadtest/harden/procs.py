@@ -285,13 +285,14 @@ class Procs:
 
     def faulty(self, mode: str, *, model: str, digest: str, served: list[str] | None = None,
                kind: str = "kvroute", worker_id: str = "faulty", tokens: int = 8, token_delay: float = 0.0,
-               timeout: float = 20.0) -> FaultyProc:
+               timeout: float = 20.0, extra: list[str] | None = None) -> FaultyProc:
         # run as a script from this checkout (standard library only): --code-root may lack it
         argv = [self.python, str(Path(__file__).resolve().parent / "faulty.py"), "--mode", mode, "--kind", kind,
                 "--worker-id", worker_id, "--model", model, "--digest", digest, "--tokens", str(tokens),
                 "--token-delay", str(token_delay)]
         for s in served or []:
             argv += ["--served", s]
+        argv += extra or []
         proc = self.spawn(f"faulty-{mode}", argv, watch_stdout=True)
         line = self.wait_line(proc, "ready", timeout)[-1]
         url = line.split("url=", 1)[1].strip()

@@ -23,6 +23,7 @@ from workers.errors import BadRequest, Draining, EngineError
 from workers.usage import Usage
 
 from .blockmeta import BlockMeta
+from .embed import embed
 from .engine import SimEngine, SimRequest
 from .tokenizer import SimTokenizer
 
@@ -238,6 +239,11 @@ class SimDriver:
         if self._http is not None:
             await self._http.close()
             self._http = None
+
+    def embed(self, ids: list[int], dimensions: int | None) -> list[float]:
+        """workers.api.Embeds: deterministic vectors from the tokens (workers/sim/embed.py)."""
+        out: list[float] = embed(ids, dimensions).tolist()
+        return out
 
     def info(self) -> WorkerInfo:
         return self.engine.info()

@@ -22,6 +22,7 @@ JSON = "application/json"
 ENCODER = msgspec.json.Encoder()
 _DEC_OBJECT = msgspec.json.Decoder(dict[str, Any])
 _UNKNOWN_FIELD = re.compile(r"Object contains unknown field `([^`]*)`")
+_MISSING_FIELD = re.compile(r"missing required field `(\w+)`$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +116,8 @@ def decode_error(e: msgspec.MsgspecError) -> BadRequest:
     param = None
     if " - at `$." in msg:
         param = msg.rsplit("`$.", 1)[1].rstrip("`").split("[")[0]
+    elif (missing := _MISSING_FIELD.search(msg)) is not None:
+        param = missing.group(1)
     if isinstance(e, msgspec.DecodeError) and not isinstance(e, msgspec.ValidationError):
         return BadRequest(f"request body is not valid JSON: {msg}")
     return BadRequest(f"invalid request: {msg}", param=param)

@@ -3,7 +3,21 @@
 from __future__ import annotations
 
 from ..runner import CASES
-from . import admin, clients, events, faults, fuzz, memory, overload, tenants, timeouts  # noqa: F401
+from . import (  # noqa: F401
+    admin,
+    clients,
+    drain,
+    edge,
+    embeddings,
+    events,
+    faults,
+    fuzz,
+    memory,
+    network_policy,
+    overload,
+    tenants,
+    timeouts,
+)
 
 ORDER = (
     # 1. bursts
@@ -31,6 +45,8 @@ ORDER = (
     "sim_peer_pull",
     # memory
     "memory_hostile",
+    # the edge: the drain's end, embeddings, one network policy, details
+    "drain_streams", "embeddings_path", "network_policy", "edge_details",
 )
 
 _missing = [n for n in CASES if n not in ORDER]
