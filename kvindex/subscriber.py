@@ -37,6 +37,7 @@ _EXPORTED_AS = {"stored": "blocks_stored", "removed": "blocks_removed"}
 # How often an idle subscriber wakes to see whether a tail probe is due: each wakeup is a
 # pyzmq poll (futures, a poller), a gateway's main idle cost with a few workers.
 IDLE_POLL_MS = 1000
+IDLE_PROBE_MAX_S = 60.0  # the longest wait between tail probes of an idle stream
 
 
 @dataclass(slots=True)
@@ -134,6 +135,8 @@ class WorkerSubscriber:
         self._tail_probe_s = tail_probe_s
         self._probe_requested = False
         self._last_frame_at = clock()
+        # Idle seconds (since the last frame) before the next tail probe, and the current gap.
+        self._next_idle_probe_s = self._idle_probe_every_s = tail_probe_s or 0.0
         self.joined = True  # False until the join replay of `start(join=True)` is done
         self._task: asyncio.Task[None] | None = None
         self._closed = False
@@ -238,6 +241,7 @@ class WorkerSubscriber:
         """Handle one live message (exposed for tests: frames as received)."""
         h = self.health
         self._last_frame_at = self._clock()
+        self._next_idle_probe_s = self._idle_probe_every_s = self._tail_probe_s or 0.0
         if len(frames) != 3:
             h.bad_frames += 1
             return
@@ -276,11 +280,19 @@ class WorkerSubscriber:
         h.state = "live"
 
     async def _maybe_probe(self) -> None:
-        due = self._tail_probe_s is not None and self._clock() - self._last_frame_at >= self._tail_probe_s
+        """An idle stream is probed `tail_probe_s` after its last frame, then at doubling
+        intervals while the probes find nothing (up to IDLE_PROBE_MAX_S): a lost last frame
+        is found within seconds, and an idle fleet is not asked every few seconds forever."""
+        base = self._tail_probe_s
+        idle = self._clock() - self._last_frame_at
+        due = base is not None and idle >= self._next_idle_probe_s
         if self._probe_requested or due:
             self._probe_requested = False
-            self._last_frame_at = self._clock()  # next idle probe one interval from now
-            await self.probe_tail()
+            found = await self.probe_tail()
+            if due and base is not None:
+                every = base if found else min(max(base, IDLE_PROBE_MAX_S), 2.0 * self._idle_probe_every_s)
+                self._idle_probe_every_s = every
+                self._next_idle_probe_s = idle + every
 
     async def probe_tail(self) -> int:
         """Replay from the next expected sequence: batches there are ones the live stream

@@ -643,3 +643,30 @@ async def test_a_probe_finds_frames_sent_before_the_subscription_took(ctx, index
     finally:
         await mgr.close()
         await pub.close()
+
+
+async def test_idle_tail_probes_back_off_while_they_find_nothing() -> None:
+    """An idle stream is probed after `tail_probe_s`, then at doubling gaps (not every
+    `tail_probe_s` forever); a live frame brings the first gap back."""
+    from kvindex.subscriber import IDLE_PROBE_MAX_S, WorkerSubscriber
+
+    now = [0.0]
+    sub = WorkerSubscriber.__new__(WorkerSubscriber)
+    sub._clock = lambda: now[0]  # type: ignore[method-assign]
+    sub._tail_probe_s = 5.0
+    sub._probe_requested = False
+    sub._last_frame_at = 0.0
+    sub._next_idle_probe_s = sub._idle_probe_every_s = 5.0
+    probes: list[float] = []
+
+    async def probe_tail() -> int:
+        probes.append(now[0])
+        return 0
+
+    sub.probe_tail = probe_tail  # type: ignore[method-assign]
+    for t in range(0, 400):
+        now[0] = float(t)
+        await sub._maybe_probe()
+    assert probes[:4] == [5.0, 15.0, 35.0, 75.0]
+    gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]
+    assert max(gaps) == IDLE_PROBE_MAX_S and len(probes) < 10
