@@ -269,8 +269,18 @@ class PoolConfig(Strict):
 
 
 class ListenConfig(Strict):
+    """Where the gateway listens, and what a client connection may cost it before it is
+    a request (router/edge.py): the request line, the header fields (count and bytes;
+    414/431 past them), the time a request's head may take to arrive (408, then closed:
+    slow-loris), and how long a keep-alive connection may sit idle."""
+
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
+    max_request_line_bytes: int = Field(default=8192, ge=256)
+    max_header_count: int = Field(default=100, ge=8)
+    max_header_bytes: int = Field(default=32768, ge=1024)
+    header_timeout_s: float = Field(default=10.0, gt=0)
+    idle_timeout_s: float = Field(default=30.0, gt=0)
 
 
 class Config(Strict):

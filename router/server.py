@@ -1,4 +1,5 @@
-"""Serving the gateway with uvicorn (uvloop + httptools), in a process or inside a test's loop."""
+"""Serving the gateway with uvicorn (uvloop + httptools, heads bounded by router/edge.py), in a process or
+inside a test's loop."""
 from __future__ import annotations
 
 import asyncio
@@ -18,6 +19,7 @@ import uvicorn
 
 from .app import GatewayAPI
 from .config import Config, ConfigError, load_config
+from .edge import HeadLimits, protocol_class
 from .gateway import Gateway
 from .logs import setup_logging
 
@@ -30,13 +32,20 @@ def uvicorn_config(app: GatewayAPI, cfg: Config, sock_port: int | None = None) -
         host=cfg.listen.host,
         port=cfg.listen.port if sock_port is None else sock_port,
         loop="uvloop",
-        http="httptools",
+        http=protocol_class(head_limits(cfg)),
         lifespan="on",
         access_log=cfg.observability.access_log,
         log_level=cfg.observability.log_level.lower(),
-        timeout_keep_alive=30,
+        timeout_keep_alive=math.ceil(cfg.listen.idle_timeout_s),
         backlog=4096,
     )
+
+
+def head_limits(cfg: Config) -> HeadLimits:
+    """What a connection may send before it is a request (router/edge.py), from `listen`."""
+    li = cfg.listen
+    return HeadLimits(li.max_request_line_bytes, li.max_header_count, li.max_header_bytes, li.header_timeout_s,
+                      li.idle_timeout_s)
 
 
 def serve(cfg: Config, config_path: str | Path | None = None, reuse_port: bool = False,
@@ -178,8 +187,9 @@ async def running_gateway(cfg: Config, *, ready_timeout: float | None = None) ->
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    ucfg = uvicorn.Config(GatewayAPI(gw, manage_lifespan=False), loop="none", http="httptools", lifespan="off",
-                          access_log=False, log_level="warning", timeout_keep_alive=30)
+    ucfg = uvicorn.Config(GatewayAPI(gw, manage_lifespan=False), loop="none", http=protocol_class(head_limits(cfg)),
+                          lifespan="off", access_log=False, log_level="warning",
+                          timeout_keep_alive=math.ceil(cfg.listen.idle_timeout_s))
     server = _EmbeddedServer(ucfg)
     task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
     try:
