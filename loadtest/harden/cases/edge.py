@@ -1,0 +1,172 @@
+"""The connection's edge: clients that never finish a request head.
+
+`header_flood`: connections sending one endless header (`X-Big: aaaa...`), reconnecting
+whenever the gateway closes them, while another client asks `/health`; the gateway
+must cut each off early and stay responsive. `slow_loris`: many connections that send
+half a request line (or nothing) and stop; the gateway must close them once its head
+timeout passes. Timing checks are scaled by the machine's load (load.py); the raw
+numbers are in the notes.
+"""
+from __future__ import annotations
+
+import asyncio
+import socket
+import statistics
+import time
+from dataclasses import dataclass
+
+from ..load import load_factor
+from ..outcome import Spec
+from ..procs import GatewayProc
+from ..runner import Ctx, case
+
+HEALTH_P99_S = 0.050  # /health p99 for other clients while the flood runs (idle machine)
+HEADER_TIMEOUT_S = 10.0  # the gateway's default listen.header_timeout_s
+CHUNK = b"a" * 16384
+
+
+@dataclass
+class Flood:
+    connections: int = 0
+    bytes: int = 0
+    max_per_connection: int = 0
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+async def _endless_header(host: str, port: int, stop: asyncio.Event, st: Flood) -> None:
+    """One attacker: `X-Big: aaaa...` as fast as the gateway takes it; again when cut off."""
+    while not stop.is_set():
+        sock = socket.socket()
+        # small buffers: what counts as sent is close to what the gateway read
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 32768)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32768)
+        sock.setblocking(False)
+        try:
+            await asyncio.get_running_loop().sock_connect(sock, (host, port))
+            r, w = await asyncio.open_connection(sock=sock)
+        except OSError:
+            sock.close()
+            await asyncio.sleep(0.05)
+            continue
+        st.connections += 1
+        closed = asyncio.ensure_future(r.read())  # completes when the gateway answers/closes
+        sent = 0
+        try:
+            w.write(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: ")
+            while not stop.is_set() and not closed.done():
+                w.write(CHUNK)
+                await w.drain()
+                sent += len(CHUNK)
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            closed.cancel()
+            w.close()
+            st.bytes += sent
+            st.max_per_connection = max(st.max_per_connection, sent)
+        await asyncio.sleep(0.01)
+
+
+async def _health_probe(ctx: Ctx, gw: GatewayProc, stop: asyncio.Event, every: float, label: str) -> list[float]:
+    """`/health` on fresh connections until `stop`; the times of those answered."""
+    times = []
+    while not stop.is_set():
+        o = await ctx.call(gw, "GET", "/health", timeout=5.0, spec=Spec(ok_statuses=(200,), tenant_facing=False),
+                           label=label)
+        if o.category == "answered":
+            times.append(o.elapsed)
+        await asyncio.sleep(every)
+    return times
+
+
+async def _baseline(ctx: Ctx, gw: GatewayProc, n: int) -> list[float]:
+    stop = asyncio.Event()
+    task = asyncio.ensure_future(_health_probe(ctx, gw, stop, 0.02, "health (no flood)"))
+    await asyncio.sleep(n * 0.025)
+    stop.set()
+    return await task
+
+
+@case("header_flood", "4 connections sending one endless header each (reconnecting), /health beside them",
+      small_s=90, full_s=180)
+async def header_flood(ctx: Ctx) -> None:
+    gw = await ctx.gateway(ctx.config([]), wait_ready=False)
+    host, port = "127.0.0.1", gw.port
+    base = await _baseline(ctx, gw, 100)
+    stop = asyncio.Event()
+    st = Flood()
+    attackers = [asyncio.ensure_future(_endless_header(host, port, stop, st)) for _ in range(4)]
+    probe = asyncio.ensure_future(_health_probe(ctx, gw, stop, 0.02, "health (during the flood)"))
+    t0 = time.monotonic()
+    await asyncio.sleep(ctx.pick(8.0, 22.0))
+    stop.set()
+    took = time.monotonic() - t0
+    times = await probe
+    await asyncio.gather(*attackers, return_exceptions=True)
+    f = load_factor()
+    p50, p99 = _quantile(times, 0.5), _quantile(times, 0.99)
+    ctx.note(f"flood {took:.1f} s: {st.connections} attacker connections, {st.bytes / 1e6:.1f} MB sent, at most "
+             f"{st.max_per_connection / 1024:.0f} KiB on one; /health n={len(times)} p50 {p50 * 1000:.1f} ms "
+             f"p99 {p99 * 1000:.1f} ms (without the flood: p50 {_quantile(base, 0.5) * 1000:.1f} ms, p99 "
+             f"{_quantile(base, 0.99) * 1000:.1f} ms); load factor {f:.2f}")
+    ctx.check("each endless header is cut off early (the client's socket buffers aside)",
+              st.max_per_connection < 1 << 20, f"{st.max_per_connection} bytes sent on one connection")
+    ctx.check("/health answered throughout", len(times) >= 10, f"{len(times)} answers")
+    ctx.check(f"/health p99 under {HEALTH_P99_S * 1000:.0f} ms × load factor {f:.2f}", p99 < HEALTH_P99_S * f,
+              f"p99 {p99 * 1000:.1f} ms over {len(times)} requests")
+
+
+async def _half_request(host: str, port: int, opening: bytes) -> float | None:
+    """Send `opening` and nothing more; seconds until the gateway closed (None: it did not)."""
+    try:
+        r, w = await asyncio.open_connection(host, port)
+    except OSError:
+        return None
+    t0 = time.monotonic()
+    try:
+        if opening:
+            w.write(opening)
+            await w.drain()
+        while await r.read(4096):
+            pass
+        return time.monotonic() - t0
+    except (ConnectionError, OSError):
+        return time.monotonic() - t0
+    finally:
+        w.close()
+
+
+@case("slow_loris", "connections sending half a request line (and some nothing at all), then silence",
+      small_s=120, full_s=240)
+async def slow_loris(ctx: Ctx) -> None:
+    gw = await ctx.gateway(ctx.config([]), wait_ready=False)
+    n = ctx.pick(300, 3000)
+    openings = [b"GET /heal" if i % 10 else b"" for i in range(n)]
+    limit = HEADER_TIMEOUT_S + 2.0 * load_factor()
+    opened = time.monotonic()
+    tasks = [asyncio.ensure_future(asyncio.wait_for(_half_request("127.0.0.1", gw.port, o), limit + 20))
+             for o in openings]
+    stop = asyncio.Event()
+    probe = asyncio.ensure_future(_health_probe(ctx, gw, stop, 0.05, "health (beside slow-loris)"))
+    done = await asyncio.gather(*tasks, return_exceptions=True)
+    stop.set()
+    times = await probe
+    closed = [d for d in done if isinstance(d, float)]
+    f = load_factor()
+    worst = max(closed) if closed else float("nan")
+    spread = (f", after {min(closed):.1f}–{worst:.1f} s (median {statistics.median(closed):.1f} s)"
+              if closed else "")
+    ctx.note(f"{n} slow connections opened over {time.monotonic() - opened:.1f} s; {len(closed)} closed by the "
+             f"gateway{spread}; head timeout {HEADER_TIMEOUT_S:g} s; /health n={len(times)} "
+             f"p99 {_quantile(times, 0.99) * 1000:.1f} ms; load factor {f:.2f}")
+    ctx.check("every slow connection was closed by the gateway", len(closed) == n,
+              f"{n - len(closed)} of {n} still open {limit + 20:.0f} s after opening (or never connected)")
+    ctx.check(f"closed within the head timeout + 2 s × load factor ({limit:.1f} s)", worst <= limit,
+              f"the last closed after {worst:.1f} s")
+    ctx.check("/health answered beside them", len(times) >= 5, f"{len(times)} answers")
