@@ -36,7 +36,7 @@ async def add_worker(gw: Gateway, body: bytes) -> dict[str, Any]:
         wc = WorkerConfig.model_validate_json(body)
     except ValidationError as e:
         raise bad_request(f"Invalid worker: {format_validation_error(e)}") from None
-    await check_new_worker(wc, gw.cfg.admin)
+    await check_new_worker(wc, gw.cfg.admin, gw.cfg.admin_token is not None)
     assert gw.pool is not None
     if wc.model is None:
         if len(gw.models.by_id) != 1:

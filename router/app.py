@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
 from . import api_admin, api_openai
-from .admin_policy import open_admin_allowed
+from .admin_policy import check_browser_safe, open_admin_allowed
 from .api_openai import CompletionRoute, DetokenizeRequest, TokenizeRequest
 from .asgi import Receive, Scope, Send, read_body
 from .errors import ApiError, bad_request, internal, not_found
@@ -213,6 +213,7 @@ def _admin_routes(app: FastAPI, gw: Gateway) -> None:
         h = {k.lower(): v for k, v in request.headers.items()}
         client = request.client.host if request.client is not None else None
         gw.tenancy.check_admin(h, open_admin_allowed(gw.cfg.listen.host, client))
+        check_browser_safe(request.method, h, gw.cfg.admin_token is not None)
         return h
 
     @app.get("/admin/workers", tags=["admin"])

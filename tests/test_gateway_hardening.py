@@ -190,11 +190,11 @@ async def test_an_open_admin_api_answers_local_clients_of_a_local_gateway_only()
         app = GatewayAPI(gw, manage_lifespan=False)
         for client_host, status in (("127.0.0.1", 200), ("10.1.2.3", 403)):
             transport = httpx.ASGITransport(app=app, client=(client_host, 5555))
-            async with httpx.AsyncClient(transport=transport, base_url="http://gw") as c:
+            async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as c:
                 assert (await c.get("/admin/workers")).status_code == status
         gw.cfg.listen.host = "0.0.0.0"  # a gateway reachable from elsewhere: no open admin API at all
         transport = httpx.ASGITransport(app=app, client=("127.0.0.1", 5555))
-        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as c:
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as c:
             assert (await c.get("/admin/workers")).status_code == 403
 
 
