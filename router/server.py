@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import logging
 import math
@@ -17,11 +18,13 @@ from types import FrameType
 
 import uvicorn
 
+from .api_admin import apply_change
 from .app import GatewayAPI
 from .config import Config, ConfigError, load_config
 from .edge import HeadLimits, protocol_class
 from .gateway import Gateway
 from .logs import setup_logging
+from .replica_sync import ReplicaSync
 
 log = logging.getLogger("kvroute.server")
 
@@ -49,13 +52,17 @@ def head_limits(cfg: Config) -> HeadLimits:
 
 
 def serve(cfg: Config, config_path: str | Path | None = None, reuse_port: bool = False,
-          overrides: Callable[[Config], None] | None = None) -> int:
+          overrides: Callable[[Config], None] | None = None, sync: tuple[Path, int, int] | None = None) -> int:
     """Run the gateway until SIGINT/SIGTERM: SIGTERM stops gracefully (router/config.py
     ShutdownConfig), SIGHUP re-reads `config_path` (its worker list applies now).
     `reuse_port`: bind with SO_REUSEPORT, one of several processes on one port.
     `overrides`: the command line's changes to a config read from the file (`cfg` has them
-    already), applied again to every re-read one."""
+    already), applied again to every re-read one.
+    `sync`: (folder, this process's index, processes) under `--processes`: admin changes
+    shared with the others (router/replica_sync.py)."""
     gw = Gateway(cfg)
+    if sync is not None:
+        gw.replicas = ReplicaSync(sync[0], sync[1], sync[2], functools.partial(apply_change, gw))
     ucfg = uvicorn_config(GatewayAPI(gw), cfg)
     ucfg.timeout_graceful_shutdown = int(math.ceil(cfg.shutdown.drain_timeout_s))
     setup_logging(cfg.observability.log_level, cfg.observability.log_format,  # after uvicorn set up its own
