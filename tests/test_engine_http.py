@@ -25,6 +25,7 @@ import pytest
 import torch
 import zmq
 import zmq.asyncio
+from hangs import patience
 
 from kvindex.events import BlockRemoved, BlockStored, EventDecoder, seq_from_bytes, seq_to_bytes
 from kvindex.index import PrefixIndex
@@ -109,7 +110,7 @@ async def sse(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> li
 
 
 async def wait_until(predicate: Callable[[], bool | Awaitable[bool]], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + patience(timeout)
     while True:
         got = predicate()
         if not isinstance(got, bool):

@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable
 
 import zmq
 import zmq.asyncio
+from hangs import patience
 
 from kvindex.events import BlockRemoved, EventDecoder, seq_from_bytes, seq_to_bytes
 from workers.publisher import KVEventPublisher
@@ -16,7 +17,7 @@ from workers.publisher import KVEventPublisher
 
 async def wait_until(predicate: Callable[[], Awaitable[bool]], timeout: float = 5.0) -> None:
     """Poll `predicate` until it holds; fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + patience(timeout)
     while not await predicate():
         assert time.monotonic() < deadline, f"condition not met within {timeout} s"
 

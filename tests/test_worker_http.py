@@ -18,6 +18,7 @@ import openai
 import pytest
 import zmq
 import zmq.asyncio
+from hangs import patience
 
 from kvindex.events import BlockStored, EventDecoder, seq_from_bytes, seq_to_bytes
 from kvindex.keys import BlockHasher, Namespace, digests64
@@ -69,7 +70,7 @@ async def post(http: aiohttp.ClientSession, url: str, body: object) -> tuple[int
 
 async def wait_until(predicate: Callable[[], bool | Awaitable[bool]], timeout: float = 5.0) -> None:
     """Poll `predicate` (sync or async) until it holds; fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + patience(timeout)
     while True:
         got = predicate()
         if not isinstance(got, bool):
