@@ -21,6 +21,7 @@ import yaml
 from test_gateway_errors import DIGEST, MODEL
 from test_gateway_fakes import FakeWorker, serve_fake
 
+from loadtest.harden.cases.deploy import all_listening, children
 from loadtest.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,7 +48,7 @@ async def two_processes(tmp: Path, workers: list[FakeWorker]) -> AsyncIterator[t
                             cwd=str(ROOT), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        await _until(lambda: _all_ready(url), "both processes ready", proc, tmp)
+        await _until(lambda: _both_up(proc.pid, port, url), "both processes ready", proc, tmp)
         yield url, proc
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -96,8 +97,9 @@ async def _complete(url: str, n: int) -> None:
         assert status == 200, body
 
 
-def _children(pid: int) -> list[int]:
-    return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+async def _both_up(pid: int, port: int, url: str) -> bool:
+    """Both processes listen (until one does, no connection can reach it) and are ready."""
+    return all_listening(pid, port, 2) and await _all_ready(url)
 
 
 async def test_admin_changes_reach_every_process(tmp_path: Path) -> None:
@@ -124,7 +126,7 @@ async def test_admin_changes_reach_every_process(tmp_path: Path) -> None:
                      proc, tmp_path)
 
         # a process that dies is restarted by the supervisor and replays the changes
-        old = _children(proc.pid)
+        old = children(proc.pid)
         os.kill(old[0], signal.SIGKILL)
         await _until(lambda: _restarted(proc.pid, old, url), "a restarted process", proc, tmp_path)
         await _until(lambda: _states_everywhere(url, {"pa": "draining", "pc": "healthy"}),
@@ -139,8 +141,8 @@ async def _states_everywhere(url: str, want: dict[str, str]) -> bool:
 
 
 async def _restarted(pid: int, old: list[int], url: str) -> bool:
-    now = _children(pid)
-    return len(now) == 2 and set(now) != set(old) and await _all_ready(url)
+    port = int(url.rsplit(":", 1)[1])
+    return set(children(pid)) != set(old) and await _both_up(pid, port, url)
 
 
 async def test_a_worker_drained_before_it_registers_stays_drained() -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..runner import CASES
-from . import admin, clients, edge, events, faults, fuzz, memory, overload, tenants, timeouts  # noqa: F401
+from . import admin, browser, clients, deploy, edge, events, faults, fuzz, memory, overload, tenants, timeouts  # noqa: F401
 
 ORDER = (
     # 1. bursts
@@ -17,7 +17,7 @@ ORDER = (
     # 5, 6. the admin API
     "admin_ipc_bind", "admin_ssrf",
     # the connection's edge and the gateway's own surface (issue #25)
-    "header_flood", "slow_loris",
+    "header_flood", "slow_loris", "admin_cross_site", "processes_admin", "k8s_service_links",
     # 7. deep JSON
     "deep_json",
     # workers failing
