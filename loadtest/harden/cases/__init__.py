@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..runner import CASES
-from . import admin, browser, clients, deploy, edge, events, faults, fuzz, memory, overload, tenants, timeouts  # noqa: F401
+from . import admin, browser, busy, clients, deploy, edge, events, faults, fuzz, memory, overload, tenants, timeouts  # noqa: F401
 
 ORDER = (
     # 1. bursts
@@ -24,7 +24,7 @@ ORDER = (
     "worker_killed_mid_stream", "worker_killed_first_byte", "worker_reset", "worker_garbage_sse",
     "worker_truncated_sse", "worker_500", "worker_429", "vllm_passthrough_faults",
     # the index across failures
-    "event_gap", "publisher_restart", "gateway_restart",
+    "event_gap", "publisher_restart", "gateway_restart", "busy_machine",
     # clients
     "slow_readers", "client_disconnects", "body_413_keepalive",
     # fuzzing

@@ -1,7 +1,8 @@
 """The connection's edge: clients that never finish a request head.
 
-`header_flood`: connections sending one endless header (`X-Big: aaaa...`), reconnecting
-whenever the gateway closes them, while another client asks `/health`; the gateway
+`header_flood`: connections sending one endless header (`X-Big: aaaa...`, from a process of
+their own: loadtest/harden/flood.py), reconnecting whenever the gateway closes them, while
+another client asks `/health`; the gateway
 must cut each off early and stay responsive. `slow_loris`: many connections that send
 half a request line (or nothing) and stop; the gateway must close them once its head
 timeout passes. Timing checks are scaled by the machine's load (load.py); the raw
@@ -10,10 +11,9 @@ numbers are in the notes.
 from __future__ import annotations
 
 import asyncio
-import socket
+import json
 import statistics
 import time
-from dataclasses import dataclass
 
 from ..outcome import Spec
 from ..procs import GatewayProc
@@ -21,14 +21,6 @@ from ..runner import Ctx, case
 
 HEALTH_P99_S = 0.050  # /health p99 for other clients while the flood runs (idle machine)
 HEADER_TIMEOUT_S = 10.0  # the gateway's default listen.header_timeout_s
-CHUNK = b"a" * 16384
-
-
-@dataclass
-class Flood:
-    connections: int = 0
-    bytes: int = 0
-    max_per_connection: int = 0
 
 
 def _quantile(xs: list[float], q: float) -> float:
@@ -36,40 +28,6 @@ def _quantile(xs: list[float], q: float) -> float:
         return float("nan")
     s = sorted(xs)
     return s[min(len(s) - 1, int(q * len(s)))]
-
-
-async def _endless_header(host: str, port: int, stop: asyncio.Event, st: Flood) -> None:
-    """One attacker: `X-Big: aaaa...` as fast as the gateway takes it; again when cut off."""
-    while not stop.is_set():
-        sock = socket.socket()
-        # small buffers: what counts as sent is close to what the gateway read
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 32768)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32768)
-        sock.setblocking(False)
-        try:
-            await asyncio.get_running_loop().sock_connect(sock, (host, port))
-            r, w = await asyncio.open_connection(sock=sock)
-        except OSError:
-            sock.close()
-            await asyncio.sleep(0.05)
-            continue
-        st.connections += 1
-        closed = asyncio.ensure_future(r.read())  # completes when the gateway answers/closes
-        sent = 0
-        try:
-            w.write(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: ")
-            while not stop.is_set() and not closed.done():
-                w.write(CHUNK)
-                await w.drain()
-                sent += len(CHUNK)
-        except (ConnectionError, OSError):
-            pass
-        finally:
-            closed.cancel()
-            w.close()
-            st.bytes += sent
-            st.max_per_connection = max(st.max_per_connection, sent)
-        await asyncio.sleep(0.01)
 
 
 async def _health_probe(ctx: Ctx, gw: GatewayProc, stop: asyncio.Event, every: float, label: str) -> list[float]:
@@ -96,26 +54,23 @@ async def _baseline(ctx: Ctx, gw: GatewayProc, n: int) -> list[float]:
       small_s=90, full_s=180)
 async def header_flood(ctx: Ctx) -> None:
     gw = await ctx.gateway(ctx.config([]), wait_ready=False)
-    host, port = "127.0.0.1", gw.port
     base = await _baseline(ctx, gw, 100)
+    seconds = ctx.pick(8.0, 22.0)
+    flood = ctx.procs.spawn("flood", [ctx.st.python, "-m", "loadtest.harden.flood", "--port", str(gw.port),
+                                      "--connections", "4", "--seconds", str(seconds)], watch_stdout=True)
     stop = asyncio.Event()
-    st = Flood()
-    attackers = [asyncio.ensure_future(_endless_header(host, port, stop, st)) for _ in range(4)]
     probe = asyncio.ensure_future(_health_probe(ctx, gw, stop, 0.02, "health (during the flood)"))
-    t0 = time.monotonic()
-    await asyncio.sleep(ctx.pick(8.0, 22.0))
+    line = (await asyncio.to_thread(ctx.procs.wait_line, flood, "{", seconds + 60.0 * ctx.stretch))[-1]
     stop.set()
-    took = time.monotonic() - t0
     times = await probe
-    await asyncio.gather(*attackers, return_exceptions=True)
-    f = ctx.stretch
+    st = json.loads(line)
     p50, p99 = _quantile(times, 0.5), _quantile(times, 0.99)
-    ctx.note(f"flood {took:.1f} s: {st.connections} attacker connections, {st.bytes / 1e6:.1f} MB sent, at most "
-             f"{st.max_per_connection / 1024:.0f} KiB on one; /health n={len(times)} p50 {p50 * 1000:.1f} ms "
+    ctx.note(f"flood {seconds:.0f} s: {st['connections']} attacker connections, {st['bytes'] / 1e6:.1f} MB sent, at "
+             f"most {st['max_per_connection'] / 1024:.0f} KiB on one; /health n={len(times)} p50 {p50 * 1000:.1f} ms "
              f"p99 {p99 * 1000:.1f} ms (without the flood: p50 {_quantile(base, 0.5) * 1000:.1f} ms, p99 "
-             f"{_quantile(base, 0.99) * 1000:.1f} ms); load factor {f:.2f}")
+             f"{_quantile(base, 0.99) * 1000:.1f} ms); load factor {ctx.stretch:.2f}")
     ctx.check("each endless header is cut off early (the client's socket buffers aside)",
-              st.max_per_connection < 1 << 20, f"{st.max_per_connection} bytes sent on one connection")
+              st["max_per_connection"] < 1 << 20, f"{st['max_per_connection']} bytes sent on one connection")
     ctx.check("/health answered throughout", len(times) >= 10, f"{len(times)} answers")
     ctx.timing("/health p99 for other clients during the flood", p99 if times else None, HEALTH_P99_S,
                f"p99 over {len(times)} requests:")
