@@ -1,4 +1,4 @@
-"""Endless-header clients in a process of their own (`python -m loadtest.harden.flood`).
+"""Endless-header clients in a process of their own (`python loadtest/harden/flood.py`).
 
 The `header_flood` case measures `/health` for other clients while these run; in the
 case's own event loop the attackers' writes would delay its measuring client, so they
@@ -6,6 +6,7 @@ run apart. Each of `--connections` clients sends `GET /health`, `Host: x`, then
 `X-Big: aaaa...` as fast as the server reads it, on a socket with small buffers (what
 counts as sent is near what the server read), and reconnects when the server closes
 it, until `--seconds` pass; then one JSON line of counts is printed. 127.0.0.1 only.
+Standard library only: the suite runs it as a script, also against another checkout.
 """
 from __future__ import annotations
 

@@ -14,11 +14,13 @@ import asyncio
 import json
 import statistics
 import time
+from pathlib import Path
 
 from ..outcome import Spec
 from ..procs import GatewayProc
 from ..runner import Ctx, case
 
+FLOOD_SCRIPT = Path(__file__).resolve().parent.parent / "flood.py"
 HEALTH_P99_S = 0.050  # /health p99 for other clients while the flood runs (idle machine)
 HEADER_TIMEOUT_S = 10.0  # the gateway's default listen.header_timeout_s
 
@@ -56,7 +58,8 @@ async def header_flood(ctx: Ctx) -> None:
     gw = await ctx.gateway(ctx.config([]), wait_ready=False)
     base = await _baseline(ctx, gw, 100)
     seconds = ctx.pick(8.0, 22.0)
-    flood = ctx.procs.spawn("flood", [ctx.st.python, "-m", "loadtest.harden.flood", "--port", str(gw.port),
+    # the script of this checkout (stdlib only), whichever checkout's gateway is under test
+    flood = ctx.procs.spawn("flood", [ctx.st.python, str(FLOOD_SCRIPT), "--port", str(gw.port),
                                       "--connections", "4", "--seconds", str(seconds)], watch_stdout=True)
     stop = asyncio.Event()
     probe = asyncio.ensure_future(_health_probe(ctx, gw, stop, 0.02, "health (during the flood)"))
