@@ -86,8 +86,10 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self._refusal is not None:
             return
-        if self._head_timer is None and self._between_requests() and not self._in_head:
-            self._arm_head_timer()  # from the first byte of a request (blank lines included)
+        if self._head_timer is None and self._between_requests():
+            # from the first byte of a request (blank lines included), or from when a head
+            # that began behind another response (pipelined) became this connection's turn
+            self._arm_head_timer()
         began_before = self._in_head
         super().data_received(data)
         if self._in_head and self._refusal is None and not self.transport.is_closing():

@@ -144,3 +144,23 @@ async def test_heads_in_pieces_and_keep_alive_are_served() -> None:
                           if ln.lower().startswith(b"content-length"))
             await r.readexactly(length)
         w.close()
+
+
+async def test_a_slow_head_pipelined_behind_a_request_is_closed_too() -> None:
+    async with gateway(idle_timeout_s=600.0) as (host, port):
+        r, w = await asyncio.open_connection(host, port)
+        w.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\nGET /hea")  # a second head begun, never finished
+
+        async def trickle() -> None:  # one byte now and then: no idle connection
+            try:
+                for _ in range(int(HANG_S / 0.2)):
+                    await asyncio.sleep(0.2)
+                    w.write(b"a")
+                    await w.drain()
+            except (ConnectionResetError, BrokenPipeError):
+                pass
+
+        t = asyncio.create_task(trickle())
+        raw = await _read_all(r)
+        assert raw.startswith(b"HTTP/1.1 200") and b"HTTP/1.1 408" in raw, raw[-300:]
+        await asyncio.wait_for(t, HANG_S)
