@@ -433,7 +433,7 @@ async def replay(endpoint: str, start: int = 0) -> list[bytes]:
         await dealer.send_multipart([b"", seq_to_bytes(start)])
         expect = start
         while True:
-            frames = await asyncio.wait_for(dealer.recv_multipart(), 5)
+            frames = await asyncio.wait_for(dealer.recv_multipart(), patience(5))
             seq = seq_from_bytes(frames[1])
             if seq == -1:
                 return out

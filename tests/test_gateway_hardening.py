@@ -11,6 +11,7 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
+from hangs import patience
 from test_gateway_errors import DIGEST, MODEL, _cfg, client, fleet, wait_until
 from test_gateway_fakes import FakeWorker
 
@@ -116,7 +117,7 @@ async def test_requests_on_a_worker_that_dies_are_retried() -> None:
             await task
             task = task2
         slow.health_status = 500  # its /health fails: unhealthy, its in-flight request ends now
-        r = await asyncio.wait_for(task, 10.0)
+        r = await asyncio.wait_for(task, patience(10.0))
         assert r.choices[0].text and gw.pool.workers["slow"].state.value == "unhealthy"
 
 
@@ -326,7 +327,7 @@ async def test_an_early_refusal_reaches_a_client_still_sending() -> None:
             except ConnectionError:
                 pass  # the server stopped reading: what matters is what the client can read
             try:
-                head = await asyncio.wait_for(reader.read(4096), 5.0)
+                head = await asyncio.wait_for(reader.read(4096), patience(5.0))
             except ConnectionError as e:
                 head = repr(e).encode()
             writer.close()

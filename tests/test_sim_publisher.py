@@ -26,7 +26,7 @@ async def replay(dealer: zmq.asyncio.Socket, start: int) -> list[int]:
     await dealer.send_multipart([b"", seq_to_bytes(start)])
     seqs = []
     while True:
-        frames = await asyncio.wait_for(dealer.recv_multipart(), 5)
+        frames = await asyncio.wait_for(dealer.recv_multipart(), patience(5))
         assert frames[0] == b"" and len(frames) == 3
         s = seq_from_bytes(frames[1])
         if s == -1:
@@ -56,14 +56,14 @@ async def test_pub_frames_and_bounded_replay() -> None:
         await wait_until(subscribed)
         assert sent == list(range(len(sent)))  # sequence numbers from 0, one per batch
         dec = EventDecoder()
-        topic, seq, payload = await asyncio.wait_for(sub.recv_multipart(), 5)
+        topic, seq, payload = await asyncio.wait_for(sub.recv_multipart(), patience(5))
         first = seq_from_bytes(seq)
         assert topic == b"kv" and first in sent
         assert dec.decode(payload).events == [BlockRemoved([first], "CPU")]
         for i in range(first + 1, first + 10):  # received in order, no gap, the seq publish() returned
             if i >= len(sent):
                 assert pub.publish([BlockRemoved([i], "CPU")]) == i
-            topic, seq, payload = await asyncio.wait_for(sub.recv_multipart(), 5)
+            topic, seq, payload = await asyncio.wait_for(sub.recv_multipart(), patience(5))
             assert topic == b"kv" and seq_from_bytes(seq) == i
             assert dec.decode(payload).events == [BlockRemoved([i], "CPU")]
         last = first + 9

@@ -447,7 +447,7 @@ async def test_zmq_subscriber_gets_events_and_replay(cluster: SimCluster, http: 
         dec = EventDecoder()
         stored: list[BlockStored] = []
         while not stored:  # skip the warm-up batches: the batch that stores p's blocks
-            topic, seq_b, payload = await asyncio.wait_for(sub.recv_multipart(), 5)
+            topic, seq_b, payload = await asyncio.wait_for(sub.recv_multipart(), patience(5))
             assert topic == b"kv"
             batch = dec.decode(payload)
             stored = [e for e in batch.events if isinstance(e, BlockStored) and e.block_hashes[0] == digests64(keys)[0]]
@@ -460,10 +460,10 @@ async def test_zmq_subscriber_gets_events_and_replay(cluster: SimCluster, http: 
         assert stored[0].parent_block_hash is None and stored[0].extra_keys[0] == ("t:z",)
         # replay from that sequence: the same batch again, then the end marker
         await dealer.send_multipart([b"", seq_to_bytes(seq)])
-        frames = await asyncio.wait_for(dealer.recv_multipart(), 5)
+        frames = await asyncio.wait_for(dealer.recv_multipart(), patience(5))
         assert frames[0] == b"" and seq_from_bytes(frames[1]) == seq and frames[2] == payload
         while True:
-            frames = await asyncio.wait_for(dealer.recv_multipart(), 5)
+            frames = await asyncio.wait_for(dealer.recv_multipart(), patience(5))
             if seq_from_bytes(frames[1]) == -1:
                 assert frames[2] == b""
                 break
