@@ -72,8 +72,11 @@ async def header_flood(ctx: Ctx) -> None:
              f"most {st['max_per_connection'] / 1024:.0f} KiB on one; /health n={len(times)} p50 {p50 * 1000:.1f} ms "
              f"p99 {p99 * 1000:.1f} ms (without the flood: p50 {_quantile(base, 0.5) * 1000:.1f} ms, p99 "
              f"{_quantile(base, 0.99) * 1000:.1f} ms); load factor {ctx.stretch:.2f}")
-    ctx.check("each endless header is cut off early (the client's socket buffers aside)",
-              st["max_per_connection"] < 1 << 20, f"{st['max_per_connection']} bytes sent on one connection")
+    ctx.check("the gateway cuts endless headers off (the attackers had to reconnect)", st["connections"] >= 40,
+              f"{st['connections']} connections in {seconds:.0f} s")
+    # sent = what left the client: the kernels' socket buffers on both sides hold up to a few MiB
+    ctx.check("at most 8 MiB sent on one connection, socket buffers included", st["max_per_connection"] < 8 << 20,
+              f"{st['max_per_connection']} bytes sent on one connection")
     ctx.check("/health answered throughout", len(times) >= 10, f"{len(times)} answers")
     ctx.timing("/health p99 for other clients during the flood", p99 if times else None, HEALTH_P99_S,
                f"p99 over {len(times)} requests:")
