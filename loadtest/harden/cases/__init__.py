@@ -16,7 +16,7 @@ ORDER = (
     "tenant_probe",
     # 5, 6. the admin API
     "admin_ipc_bind", "admin_ssrf",
-    # the connection's edge and the gateway's own surface (issue #25)
+    # the connection's edge, the admin API against a browser, how the gateway is deployed
     "header_flood", "slow_loris", "admin_cross_site", "processes_admin", "k8s_service_links",
     # 7. deep JSON
     "deep_json",
