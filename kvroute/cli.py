@@ -65,7 +65,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
             return 2
         setup_logging(cfg.observability.log_level, cfg.observability.log_format)
         return Supervisor(a.processes, Path(a.config), cfg.listen.host, cfg.listen.port).run()
-    return serve(cfg, config_path=a.config, reuse_port=a.reuse_port, overrides=overrides)
+    sync = (Path(a.admin_sync), a.process_index, a.process_count) if a.admin_sync else None
+    return serve(cfg, config_path=a.config, reuse_port=a.reuse_port, overrides=overrides, sync=sync)
 
 
 def cmd_up(a: argparse.Namespace) -> int:
@@ -87,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bind with SO_REUSEPORT, to share the port with other gateway processes")
     s.add_argument("--replicas", type=int, default=None, metavar="N",
                    help="gateway replicas sharing the fleet (raises routing.replicas to N; --processes sets it)")
+    # set by --processes for its children (router/processes.py, router/replica_sync.py)
+    s.add_argument("--admin-sync", default=None, help=argparse.SUPPRESS)
+    s.add_argument("--process-index", type=int, default=0, help=argparse.SUPPRESS)
+    s.add_argument("--process-count", type=int, default=1, help=argparse.SUPPRESS)
     s.set_defaults(fn=cmd_serve)
     u = sub.add_parser("up", help="gateway on 127.0.0.1:8000 + N local workers (real engine; --sim: simulated)")
     add_up_arguments(u)

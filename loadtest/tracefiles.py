@@ -6,8 +6,8 @@ Whatever needs a full trace asks `require_trace(name)`, which fails with one lin
 the variable.
 
 Why not a `KVROUTE_` name: that prefix is the gateway's config override
-(router/config.py, `KVROUTE_A__B=...`), and an unknown field there stops the gateway —
-including the gateways `loadtest compare` starts, which inherit the environment.
+(router/config.py, `KVROUTE_A__B=...`), and the gateways `loadtest compare` starts
+inherit the environment (one that names no config section is only warned about).
 """
 from __future__ import annotations
 

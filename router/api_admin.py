@@ -18,6 +18,7 @@ from .config import format_validation_error
 from .errors import ApiError, bad_request, not_found
 from .fleetconfig import WorkerConfig
 from .gateway import Gateway
+from .replica_sync import AdminChange
 from .tenancy import Tenant
 
 
@@ -38,7 +39,7 @@ async def add_worker(gw: Gateway, body: bytes) -> dict[str, Any]:
         wc = WorkerConfig.model_validate_json(body)
     except ValidationError as e:
         raise bad_request(f"Invalid worker: {format_validation_error(e)}") from None
-    await check_new_worker(wc, gw.cfg.admin)
+    await check_new_worker(wc, gw.cfg.admin, gw.cfg.admin_token is not None)
     assert gw.pool is not None
     if wc.model is None:
         if len(gw.models.by_id) != 1:
@@ -69,6 +70,32 @@ def drain_worker(gw: Gateway, worker_id: str, draining: bool) -> dict[str, Any]:
         return _summary(gw, gw.pool.drain(worker_id, draining))
     except KeyError:
         raise not_found(f"Unknown worker {worker_id!r}.") from None
+
+
+async def replicate(gw: Gateway, change: AdminChange) -> dict[str, str]:
+    """Apply a change made here in every other gateway process (router/replica_sync.py);
+    the header that says how many processes have it. Nothing without `--processes`."""
+    if gw.replicas is None:
+        return {}
+    have, n = await gw.replicas.publish(change)
+    return {"x-kvroute-processes-applied": f"{have}/{n}"}
+
+
+async def apply_change(gw: Gateway, change: AdminChange) -> None:
+    """A change another process took (or the journal holds), applied here alone. Adding a
+    worker that exists and removing one that does not are done already."""
+    try:
+        if change.op == "add":
+            await add_worker(gw, change.arg.encode())
+        elif change.op == "remove":
+            await remove_worker(gw, change.arg)
+        elif change.op in ("drain", "undrain"):
+            drain_worker(gw, change.arg, change.op == "drain")
+        else:
+            await gw.purge_tenant(change.arg)
+    except ApiError as e:
+        if not ((change.op == "add" and e.status == 409) or (change.op == "remove" and e.status == 404)):
+            raise
 
 
 def calibration(gw: Gateway) -> dict[str, Any]:

@@ -26,12 +26,13 @@ from starlette.responses import Response
 from kvwire.linger import expects_continue
 
 from . import api_admin, api_openai
-from .admin_policy import open_admin_allowed
+from .admin_policy import check_browser_safe, open_admin_allowed
 from .api_openai import CompletionRoute, DetokenizeRequest, TokenizeRequest
 from .asgi import AsgiOut, Receive, Scope, Send, duplicate_credentials, read_body
 from .embeddings import EmbeddingRequest, EmbeddingsRoute
 from .errors import ApiError, bad_request, internal, not_found
 from .gateway import Gateway
+from .replica_sync import AdminChange
 from .schema import ChatRequest, CompletionRequest
 
 log = logging.getLogger("kvroute.app")
@@ -226,6 +227,7 @@ def _admin_routes(app: FastAPI, gw: Gateway) -> None:
         h = {k.lower(): v for k, v in request.headers.items()}
         client = request.client.host if request.client is not None else None
         gw.tenancy.check_admin(h, open_admin_allowed(gw.cfg.listen.host, client))
+        check_browser_safe(request.method, h, gw.cfg.admin_token is not None)
         return h
 
     @app.get("/admin/workers", tags=["admin"])
@@ -233,25 +235,32 @@ def _admin_routes(app: FastAPI, gw: Gateway) -> None:
         admin(request)
         return json(api_admin.workers(gw))
 
+    # Changes are applied here, then in every other process of `--processes` before the answer.
+
     @app.post("/admin/workers", tags=["admin"], status_code=201, summary="Add a worker (a `workers[]` config entry)")
     async def add_worker(request: Request) -> Response:
         admin(request)
-        return json(await api_admin.add_worker(gw, await _body(request, _ADMIN_BODY_LIMIT)), 201)
+        body = await _body(request, _ADMIN_BODY_LIMIT)
+        added = await api_admin.add_worker(gw, body)
+        return json(added, 201, await api_admin.replicate(gw, AdminChange("add", body.decode())))
 
     @app.delete("/admin/workers/{worker_id}", tags=["admin"])
     async def remove_worker(worker_id: str, request: Request) -> Response:
         admin(request)
-        return json(await api_admin.remove_worker(gw, worker_id))
+        removed = await api_admin.remove_worker(gw, worker_id)
+        return json(removed, 200, await api_admin.replicate(gw, AdminChange("remove", worker_id)))
 
     @app.post("/admin/workers/{worker_id}/drain", tags=["admin"])
     async def drain(worker_id: str, request: Request) -> Response:
         admin(request)
-        return json(api_admin.drain_worker(gw, worker_id, True))
+        state = api_admin.drain_worker(gw, worker_id, True)
+        return json(state, 200, await api_admin.replicate(gw, AdminChange("drain", worker_id)))
 
     @app.post("/admin/workers/{worker_id}/undrain", tags=["admin"])
     async def undrain(worker_id: str, request: Request) -> Response:
         admin(request)
-        return json(api_admin.drain_worker(gw, worker_id, False))
+        state = api_admin.drain_worker(gw, worker_id, False)
+        return json(state, 200, await api_admin.replicate(gw, AdminChange("undrain", worker_id)))
 
     @app.get("/admin/index", tags=["admin"])
     async def index(request: Request) -> Response:
@@ -273,4 +282,5 @@ def _admin_routes(app: FastAPI, gw: Gateway) -> None:
     @app.post("/admin/tenants/{tenant_id}/purge", tags=["admin"])
     async def purge(tenant_id: str, request: Request) -> Response:
         admin(request)
-        return json(await gw.purge_tenant(tenant_id))
+        purged = await gw.purge_tenant(tenant_id)  # each process purges the request salts it has seen
+        return json(purged, 200, await api_admin.replicate(gw, AdminChange("purge", tenant_id)))

@@ -5,12 +5,17 @@ reason (`workers[1].url: ...`), not as an AttributeError on the first request.
 
 Environment overrides: a variable `KVROUTE_A__B__C=value` sets `a.b.c`; a numeric part
 indexes a list (`KVROUTE_WORKERS__0__URL=...`). Values are parsed as YAML scalars, so
-`8080`, `true`, `[a, b]` and `null` have their YAML types. Relative paths in the file
+`8080`, `true`, `[a, b]` and `null` have their YAML types. Only a variable whose first
+part names a top-level field (`listen`, `routing`, `admin_token`, ...) is an override:
+Kubernetes puts service-link variables into every pod (`KVROUTE_GATEWAY_PORT=tcp://...`
+for a Service `kvroute-gateway`), and those, like any other unknown `KVROUTE_*`
+variable, are logged and ignored rather than stopping the gateway. Relative paths in the file
 (tokenizer folders, trace files, profiles) are resolved against the file's folder (a
 tokenizer folder found only under the project root resolves there).
 """
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -36,6 +41,7 @@ ENV_PREFIX = "KVROUTE_"
 # KVROUTE_* variables that belong to the workers, not to the gateway's config.
 NOT_CONFIG_ENV = frozenset({"KVROUTE_PEER_TOKEN", "KVROUTE_PROFILES_DIR"})
 REPO_ROOT = Path(__file__).resolve().parent.parent
+log = logging.getLogger("kvroute.config")
 PROFILES_DIR = REPO_ROOT / "configs" / "profiles"
 
 
@@ -282,8 +288,18 @@ class PoolConfig(Strict):
 
 
 class ListenConfig(Strict):
+    """Where the gateway listens, and what a client connection may cost it before it is
+    a request (router/edge.py): the request line, the header fields (count and bytes;
+    414/431 past them), the time a request's head may take to arrive (408, then closed:
+    slow-loris), and how long a keep-alive connection may sit idle."""
+
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
+    max_request_line_bytes: int = Field(default=8192, ge=256)
+    max_header_count: int = Field(default=100, ge=8)
+    max_header_bytes: int = Field(default=32768, ge=1024)
+    header_timeout_s: float = Field(default=10.0, gt=0)
+    idle_timeout_s: float = Field(default=30.0, gt=0)
 
 
 class Config(Strict):
@@ -381,12 +397,15 @@ def format_validation_error(e: ValidationError) -> str:
 
 
 def apply_env_overrides(data: dict[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
-    """Set `a.b.c` from `KVROUTE_A__B__C` (lists indexed by number). Returns `data`."""
+    """Set `a.b.c` from `KVROUTE_A__B__C` (lists indexed by number). Returns `data`.
+    A variable whose first part is no top-level field is not an override (module doc)."""
+    ignored = []
     for name in sorted(environ):
         if not name.startswith(ENV_PREFIX) or name in NOT_CONFIG_ENV:
             continue
         parts = [p.lower() for p in name[len(ENV_PREFIX) :].split("__") if p]
-        if not parts:
+        if not parts or parts[0] not in Config.model_fields:
+            ignored.append(name)
             continue
         try:
             value = yaml.safe_load(environ[name])
@@ -413,6 +432,9 @@ def apply_env_overrides(data: dict[str, Any], environ: Mapping[str, str]) -> dic
                 node = node[key]
                 if not isinstance(node, (dict, list)):
                     raise ConfigError(f"{name}: {'.'.join(parts[: i + 1])} is not a section")
+    if ignored:
+        log.warning("ignored environment variables that name no config section (an override is "
+                    "KVROUTE_<SECTION>__<FIELD>; Kubernetes service links look like these): %s", ", ".join(ignored))
     return data
 
 

@@ -54,6 +54,7 @@ from .proxy import UpstreamError
 from .recorder import TraceRecorder
 from .redact import worker_message
 from .relay import Relay
+from .replica_sync import ReplicaSync
 from .tenancy import Tenancy, Tenant
 from .tokenize import Tokenization, Tokenizer
 from .tracing import RequestTracer
@@ -96,6 +97,8 @@ class Gateway:
         self.inflight = InFlight()  # the requests the end of a drain must end (router/drain.py)
         self.stopping = False  # SIGTERM: not ready, finishing what is in flight
         self.started = False
+        # `kvroute serve --processes N`: admin changes shared with the other processes
+        self.replicas: ReplicaSync | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -133,6 +136,8 @@ class Gateway:
         if cfg.discovery:
             self.discovery = Discovery(cfg.discovery, self._on_discovered)
             await self.discovery.start()
+        if self.replicas is not None:  # the other processes' admin changes, before serving
+            await self.replicas.start()
         self.started = True
 
     def _on_discovered(self, workers: dict[str, WorkerConfig]) -> None:
@@ -164,6 +169,8 @@ class Gateway:
 
     async def close(self) -> None:
         self.binder.close()
+        if self.replicas is not None:
+            await self.replicas.close()
         if self.discovery is not None:
             await self.discovery.close()
         for t in list(self._bg):

@@ -126,6 +126,7 @@ class WorkerPool:
 
     def drain(self, worker_id: str, draining: bool = True) -> Worker:
         w = self._get(worker_id)
+        w.admin_drained = draining  # a worker not registered yet is drained once it is
         if draining and w.state is State.HEALTHY:
             self._set_state(w, State.DRAINING, "drained by admin")
             if w.in_index:
@@ -370,7 +371,12 @@ class WorkerPool:
         await self._poll_load(w)
         w.index_target = await self._republish(w)
         w.registered_at = time.monotonic()
-        self._set_state(w, State.HEALTHY, "")
+        if w.admin_drained:  # drained through the admin API before it (re)registered
+            self._set_state(w, State.DRAINING, "drained by admin")
+            if w.in_index:
+                w.model.index.set_draining(w.id, True)
+        else:
+            self._set_state(w, State.HEALTHY, "")
         return True
 
     async def _network_allows(self, w: Worker, events: bool) -> bool:

@@ -1,8 +1,10 @@
-"""Serving the gateway with uvicorn (uvloop + httptools), in a process or inside a test's loop."""
+"""Serving the gateway with uvicorn (uvloop + httptools, heads bounded by router/edge.py), in a process or
+inside a test's loop."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import logging
 import math
@@ -16,10 +18,13 @@ from types import FrameType
 
 import uvicorn
 
+from .api_admin import apply_change
 from .app import GatewayAPI
 from .config import Config, ConfigError, load_config
+from .edge import HeadLimits, protocol_class
 from .gateway import Gateway
 from .logs import setup_logging
+from .replica_sync import ReplicaSync
 
 log = logging.getLogger("kvroute.server")
 
@@ -30,23 +35,34 @@ def uvicorn_config(app: GatewayAPI, cfg: Config, sock_port: int | None = None) -
         host=cfg.listen.host,
         port=cfg.listen.port if sock_port is None else sock_port,
         loop="uvloop",
-        http="httptools",
+        http=protocol_class(head_limits(cfg)),
         lifespan="on",
         access_log=cfg.observability.access_log,
         log_level=cfg.observability.log_level.lower(),
-        timeout_keep_alive=30,
+        timeout_keep_alive=math.ceil(cfg.listen.idle_timeout_s),
         backlog=4096,
     )
 
 
+def head_limits(cfg: Config) -> HeadLimits:
+    """What a connection may send before it is a request (router/edge.py), from `listen`."""
+    li = cfg.listen
+    return HeadLimits(li.max_request_line_bytes, li.max_header_count, li.max_header_bytes, li.header_timeout_s,
+                      li.idle_timeout_s)
+
+
 def serve(cfg: Config, config_path: str | Path | None = None, reuse_port: bool = False,
-          overrides: Callable[[Config], None] | None = None) -> int:
+          overrides: Callable[[Config], None] | None = None, sync: tuple[Path, int, int] | None = None) -> int:
     """Run the gateway until SIGINT/SIGTERM: SIGTERM stops gracefully (router/config.py
     ShutdownConfig), SIGHUP re-reads `config_path` (its worker list applies now).
     `reuse_port`: bind with SO_REUSEPORT, one of several processes on one port.
     `overrides`: the command line's changes to a config read from the file (`cfg` has them
-    already), applied again to every re-read one."""
+    already), applied again to every re-read one.
+    `sync`: (folder, this process's index, processes) under `--processes`: admin changes
+    shared with the others (router/replica_sync.py)."""
     gw = Gateway(cfg)
+    if sync is not None:
+        gw.replicas = ReplicaSync(sync[0], sync[1], sync[2], functools.partial(apply_change, gw))
     ucfg = uvicorn_config(GatewayAPI(gw), cfg)
     setup_logging(cfg.observability.log_level, cfg.observability.log_format,  # after uvicorn set up its own
                   cfg.observability.access_log)
@@ -203,8 +219,9 @@ async def running_gateway(cfg: Config, *, ready_timeout: float | None = None) ->
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    ucfg = uvicorn.Config(GatewayAPI(gw, manage_lifespan=False), loop="none", http="httptools", lifespan="off",
-                          access_log=False, log_level="warning", timeout_keep_alive=30)
+    ucfg = uvicorn.Config(GatewayAPI(gw, manage_lifespan=False), loop="none", http=protocol_class(head_limits(cfg)),
+                          lifespan="off", access_log=False, log_level="warning",
+                          timeout_keep_alive=math.ceil(cfg.listen.idle_timeout_s))
     server = EmbeddedServer(ucfg, gw, cfg.shutdown.drain_timeout_s)
     task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
     try:

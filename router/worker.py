@@ -58,6 +58,8 @@ class Worker:
     failing_since: float = 0.0  # when the current run of failed health probes began
     index_target: int | None = None  # the event sequence that carries its republished state
     registered_at: float = 0.0
+    # drained through the admin API: kept when it (re)registers, not only while healthy now
+    admin_drained: bool = False
     last_refused: bool = False  # the last probe found nothing listening
     completions_url: URL | None = None  # parsed once: aiohttp re-parses a str URL per request
     # (host, port) when router/upstream.py's lean client can reach it (plain http), else None

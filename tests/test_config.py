@@ -1,6 +1,12 @@
 """Gateway config: validation with field paths, env overrides, profiles, the shipped default."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -8,6 +14,7 @@ import pytest
 import yaml
 
 from kvindex.keys import Namespace
+from loadtest.ports import free_port
 from router.config import ConfigError, apply_env_overrides, build_config, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -84,7 +91,38 @@ def test_env_overrides_nested_and_lists() -> None:
         build_config(_base(workers=[]), ROOT, environ={"KVROUTE_WORKERS__3__URL": "http://x:1"})
     with pytest.raises(ConfigError, match="listen.port"):
         build_config(_base(), ROOT, environ={"KVROUTE_LISTEN__PORT": "not-a-port"})
-    assert apply_env_overrides({}, {"KVROUTE_A__B": "[1, 2]"}) == {"a": {"b": [1, 2]}}
+    assert apply_env_overrides({}, {"KVROUTE_LIMITS__B": "[1, 2]"}) == {"limits": {"b": [1, 2]}}
+
+
+# What Kubernetes injects into every pod for the Services `kvroute-gateway` and `kvroute-valkey`.
+SERVICE_LINKS = {
+    "KVROUTE_GATEWAY_SERVICE_HOST": "10.0.0.1",
+    "KVROUTE_GATEWAY_SERVICE_PORT": "8000",
+    "KVROUTE_GATEWAY_SERVICE_PORT_HTTP": "8000",
+    "KVROUTE_GATEWAY_PORT": "tcp://10.0.0.1:8000",
+    "KVROUTE_GATEWAY_PORT_8000_TCP": "tcp://10.0.0.1:8000",
+    "KVROUTE_GATEWAY_PORT_8000_TCP_PROTO": "tcp",
+    "KVROUTE_GATEWAY_PORT_8000_TCP_PORT": "8000",
+    "KVROUTE_GATEWAY_PORT_8000_TCP_ADDR": "10.0.0.1",
+    "KVROUTE_VALKEY_SERVICE_HOST": "10.0.0.2",
+    "KVROUTE_VALKEY_SERVICE_PORT": "6379",
+    "KVROUTE_VALKEY_PORT": "tcp://10.0.0.2:6379",
+    "KVROUTE_WORKERS_SERVICE_HOST": "10.0.0.3",
+    "KVROUTE_SOMETHING_ELSE": "whatever",
+}
+
+
+def test_service_links_and_unknown_variables_are_warned_about_not_fatal(caplog: pytest.LogCaptureFixture) -> None:
+    env = {**SERVICE_LINKS, "KVROUTE_LISTEN__PORT": "9124", "KVROUTE_ADMIN_TOKEN": "t"}
+    with caplog.at_level("WARNING", logger="kvroute.config"):
+        cfg = build_config(_base(), ROOT, environ=env)
+    assert cfg.listen.port == 9124 and cfg.admin_token == "t"  # real overrides still apply
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    assert "KVROUTE_GATEWAY_PORT" in warned and "KVROUTE_SOMETHING_ELSE" in warned
+    assert "tcp://10.0.0.1" not in warned  # names only: a value may be a secret
+    # a variable that does name a section is still checked: a typo there is a config error
+    with pytest.raises(ConfigError, match="listen"):
+        build_config(_base(), ROOT, environ={"KVROUTE_LISTEN__PROT": "1"})
 
 
 def test_bad_yaml_and_missing_file(tmp_path: Path) -> None:
@@ -145,3 +183,40 @@ def test_a_policy_typo_is_one_line_from_the_cli(tmp_path: Path) -> None:
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert r.stderr.strip().count("\n") == 0 and "unknown routing policy 'kv_cots'" in r.stderr, r.stderr
+
+
+def test_gateway_process_starts_with_kubernetes_service_links(tmp_path: Path) -> None:
+    """The gateway as a pod runs it: `kvroute serve` with the service links in its environment."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTE_")}
+    env.update(SERVICE_LINKS)
+    env["PYTHONPATH"] = str(ROOT)
+    log = tmp_path / "gateway.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "kvroute.cli", "serve", "--config",
+                                 str(ROOT / "configs/default.yaml"), "--port", str(port)],
+                                cwd=str(ROOT), env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        status = _wait_health(f"http://127.0.0.1:{port}/health", proc)
+        assert status == 200, log.read_text()[-3000:]
+        assert "KVROUTE_GATEWAY_SERVICE_HOST" in log.read_text()  # warned about
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _wait_health(url: str, proc: subprocess.Popen[bytes]) -> int | None:
+    """/health's status once the process answers; None when it exited first. The bound is
+    only against a hang (start-up takes seconds, far longer on a loaded machine)."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                return int(r.status)
+        except (urllib.error.URLError, OSError):
+            time.sleep(0.2)
+    return None

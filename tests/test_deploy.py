@@ -48,6 +48,7 @@ from typing import Any
 
 import pytest
 import yaml
+from hangs import patience
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"
@@ -526,7 +527,7 @@ def _get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
 
 def _wait_until(pred: Any, timeout: float, what: str, proc: subprocess.Popen[Any] | None = None,
                 log: Path | None = None) -> None:
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + patience(timeout)
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             break

@@ -25,6 +25,7 @@ import pytest
 import torch
 import zmq
 import zmq.asyncio
+from hangs import patience
 
 from kvindex.events import BlockRemoved, BlockStored, EventDecoder, seq_from_bytes, seq_to_bytes
 from kvindex.index import PrefixIndex
@@ -109,7 +110,7 @@ async def sse(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> li
 
 
 async def wait_until(predicate: Callable[[], bool | Awaitable[bool]], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + patience(timeout)
     while True:
         got = predicate()
         if not isinstance(got, bool):
@@ -432,7 +433,7 @@ async def replay(endpoint: str, start: int = 0) -> list[bytes]:
         await dealer.send_multipart([b"", seq_to_bytes(start)])
         expect = start
         while True:
-            frames = await asyncio.wait_for(dealer.recv_multipart(), 5)
+            frames = await asyncio.wait_for(dealer.recv_multipart(), patience(5))
             seq = seq_from_bytes(frames[1])
             if seq == -1:
                 return out

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hangs import HANG_S
 
 from workers.engine.store.base import Record
 from workers.engine.store.disk import DiskConfig, DiskStore
@@ -575,7 +576,7 @@ def test_redis_dead_server_is_a_fast_miss_and_trips_the_breaker(own_redis: Redis
     for _ in range(6):
         t0 = time.monotonic()
         assert store.get(key(0)) is None
-        assert time.monotonic() - t0 < 0.5
+        assert time.monotonic() - t0 < HANG_S  # a miss, not a wait for the dead server
     s = store.stats
     assert s.io_errors == 3 and s.breaker_trips == 1 and s.breaker_skips == 3 and store.breaker.is_open
     assert not store.put(key(1), meta(1), payload(1))
@@ -597,7 +598,7 @@ def test_redis_hung_server_times_out(own_redis: RedisServer) -> None:
     try:
         t0 = time.monotonic()
         assert store.get(key(0)) is None
-        assert time.monotonic() - t0 < 0.5
+        assert time.monotonic() - t0 < HANG_S  # the server never answers: only the timeout ends the call
         assert store.stats.io_errors == 1 and not store.breaker.is_open
     finally:
         own_redis.proc.send_signal(signal.SIGCONT)

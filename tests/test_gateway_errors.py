@@ -11,6 +11,7 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
+from hangs import patience
 from test_gateway_fakes import FakeWorker, serve_fake
 
 from kvindex.keys import Namespace
@@ -56,7 +57,7 @@ async def fleet(
 
 async def wait_until(cond: Any, timeout: float = 5.0, what: str = "condition") -> None:
     """Poll `cond()` until it holds; fail the test with `what` when `timeout` passes."""
-    deadline = asyncio.get_running_loop().time() + timeout
+    deadline = asyncio.get_running_loop().time() + patience(timeout)
     while not cond():
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"timed out waiting for {what}")

@@ -18,6 +18,7 @@ from typing import Any
 
 import msgspec
 import uvicorn
+from hangs import patience
 
 _enc = msgspec.json.Encoder()
 
@@ -320,7 +321,7 @@ async def serve_fake(worker: FakeWorker) -> AsyncIterator[FakeWorker]:
         server.should_exit = True
         server.force_exit = True
         try:
-            await asyncio.wait_for(task, 5)
+            await asyncio.wait_for(task, patience(5))
         except (TimeoutError, Exception):
             task.cancel()
         sock.close()

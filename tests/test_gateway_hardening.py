@@ -11,6 +11,7 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
+from hangs import patience
 from test_gateway_errors import DIGEST, MODEL, _cfg, client, fleet, wait_until
 from test_gateway_fakes import FakeWorker
 
@@ -79,7 +80,7 @@ async def test_a_worker_that_never_answers_is_replaced_before_the_first_byte() -
         for _ in range(2):
             r = await client(url).completions.create(model=MODEL, prompt="hi", max_tokens=2)
             assert r.choices[0].text
-        assert time.monotonic() - t0 < 5.0 and len(hung.completions) == 1
+        assert time.monotonic() - t0 < hung.first_delay_s / 2 and len(hung.completions) == 1  # not its own 60 s
         assert gw.metrics.upstream_errors.labels("hung", "first_byte_timeout")._value.get() == 1
 
 
@@ -90,7 +91,7 @@ async def test_a_stream_that_stalls_ends_with_an_error_event() -> None:
         async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions", json={
                 "model": MODEL, "prompt": "hi", "max_tokens": 5, "stream": True}) as r:
             body = (await r.read()).decode()
-        assert time.monotonic() - t0 < 5.0
+        assert time.monotonic() - t0 < 30.0  # the idle timeout ended it: the fake stalls for ever
         assert '"error"' in body and body.rstrip().endswith("data: [DONE]")
         assert _error_text(body) and "stall-worker-9" not in _error_text(body)
 
@@ -116,7 +117,7 @@ async def test_requests_on_a_worker_that_dies_are_retried() -> None:
             await task
             task = task2
         slow.health_status = 500  # its /health fails: unhealthy, its in-flight request ends now
-        r = await asyncio.wait_for(task, 10.0)
+        r = await asyncio.wait_for(task, patience(10.0))
         assert r.choices[0].text and gw.pool.workers["slow"].state.value == "unhealthy"
 
 
@@ -190,11 +191,11 @@ async def test_an_open_admin_api_answers_local_clients_of_a_local_gateway_only()
         app = GatewayAPI(gw, manage_lifespan=False)
         for client_host, status in (("127.0.0.1", 200), ("10.1.2.3", 403)):
             transport = httpx.ASGITransport(app=app, client=(client_host, 5555))
-            async with httpx.AsyncClient(transport=transport, base_url="http://gw") as c:
+            async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as c:
                 assert (await c.get("/admin/workers")).status_code == status
         gw.cfg.listen.host = "0.0.0.0"  # a gateway reachable from elsewhere: no open admin API at all
         transport = httpx.ASGITransport(app=app, client=("127.0.0.1", 5555))
-        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as c:
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as c:
             assert (await c.get("/admin/workers")).status_code == 403
 
 
@@ -218,11 +219,10 @@ async def test_the_admin_api_adds_only_safe_workers(worker: dict[str, Any], stat
 async def test_a_prompt_too_long_by_its_characters_is_refused_unread() -> None:
     async with fleet([FakeWorker("w", DIGEST)]) as (gw, url):  # max_context_tokens 512
         threaded = gw.tokenization.threaded
-        t0 = time.monotonic()
         with pytest.raises(openai.BadRequestError) as ei:
             await client(url).completions.create(model=MODEL, prompt="word " * 300_000, max_tokens=1)
         assert ei.value.code == "context_length_exceeded" and "characters" in ei.value.message
-        assert gw.tokenization.threaded == threaded and time.monotonic() - t0 < 2.0  # nothing was tokenized
+        assert gw.tokenization.threaded == threaded  # nothing was tokenized
 
 
 async def test_the_body_budget_answers_429_when_full() -> None:
@@ -254,7 +254,7 @@ async def test_a_worker_that_never_sends_its_status_line_is_replaced(kind: str) 
         for _ in range(2):
             stream = await client(url).completions.create(model=MODEL, prompt="hi", max_tokens=2, stream=True)
             assert "".join([c.choices[0].text async for c in stream if c.choices])
-        assert time.monotonic() - t0 < 5.0 and len(hung.completions) == 1
+        assert time.monotonic() - t0 < hung.headers_delay_s / 2 and len(hung.completions) == 1  # not its own 60 s
         assert gw.metrics.upstream_errors.labels("hung", "first_byte_timeout")._value.get() == 1
 
 
@@ -266,7 +266,7 @@ async def test_alone_a_silent_worker_is_an_error_not_a_hang() -> None:
                 "model": MODEL, "prompt": "hi", "max_tokens": 2}) as r:
             body = await r.json()
         assert r.status in (502, 503, 504) and body["error"]["message"]
-        assert "hung" not in body["error"]["message"] and time.monotonic() - t0 < 5.0
+        assert "hung" not in body["error"]["message"] and time.monotonic() - t0 < hung.headers_delay_s / 2
 
 
 async def test_a_request_waiting_for_the_status_line_of_a_dying_worker_is_retried() -> None:
@@ -283,10 +283,9 @@ async def test_a_request_waiting_for_the_status_line_of_a_dying_worker_is_retrie
             await wait_until(lambda: slow.completions, 5.0, "dispatch to the slow one")
             await task
             task = task2
-        t0 = time.monotonic()
         slow.health_status = 500
-        r = await asyncio.wait_for(task, 10.0)
-        assert r.choices[0].text and time.monotonic() - t0 < 5.0
+        r = await asyncio.wait_for(task, slow.headers_delay_s / 2)  # ended by the health verdict, not its 60 s
+        assert r.choices[0].text
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -328,7 +327,7 @@ async def test_an_early_refusal_reaches_a_client_still_sending() -> None:
             except ConnectionError:
                 pass  # the server stopped reading: what matters is what the client can read
             try:
-                head = await asyncio.wait_for(reader.read(4096), 5.0)
+                head = await asyncio.wait_for(reader.read(4096), patience(5.0))
             except ConnectionError as e:
                 head = repr(e).encode()
             writer.close()
@@ -347,4 +346,4 @@ async def test_a_whole_answer_from_a_silent_vllm_worker_is_bounded() -> None:
         for _ in range(2):
             r = await client(url).completions.create(model=MODEL, prompt="hi", max_tokens=2)
             assert r.choices[0].text
-        assert time.monotonic() - t0 < 5.0 and len(hung.completions) == 1
+        assert time.monotonic() - t0 < hung.headers_delay_s / 2 and len(hung.completions) == 1  # not its own 60 s

@@ -25,6 +25,7 @@ import dns.rdatatype
 import dns.rrset
 import pytest
 import yaml
+from hangs import patience
 from test_gateway_errors import MODEL, _cfg, fleet, wait_until
 from test_gateway_fakes import FakeWorker, serve_fake
 
@@ -155,7 +156,7 @@ async def gateway_process(config: Path, *extra: str) -> AsyncIterator[asyncio.su
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
-        await asyncio.wait_for(reader, 5.0)
+        await asyncio.wait_for(reader, patience(5.0))
 
 
 async def _get(s: aiohttp.ClientSession, url: str) -> tuple[int, Any]:
@@ -193,7 +194,8 @@ async def test_sigterm_stops_taking_work_gracefully_and_exits_clean(tmp_path: Pa
     base = f"http://127.0.0.1:{port}"
     async with serve_fake(slow):
         cfg = tmp_path / "gw.yaml"
-        _write_config(cfg, port, [slow], shutdown={"grace_s": 1.0, "drain_timeout_s": 10.0})
+        grace = patience(1.0)  # long enough, on this machine now, to send a request inside it
+        _write_config(cfg, port, [slow], shutdown={"grace_s": grace, "drain_timeout_s": 10.0})
         async with gateway_process(cfg) as proc, aiohttp.ClientSession() as s:
             await _until_ready(s, base, proc)
 
@@ -208,15 +210,15 @@ async def test_sigterm_stops_taking_work_gracefully_and_exits_clean(tmp_path: Pa
             t_term = time.monotonic()
             proc.send_signal(signal.SIGTERM)
             status, body = 200, {}
-            while status == 200 and time.monotonic() - t_term < 0.8:
+            while status == 200 and time.monotonic() - t_term < 0.8 * grace:
                 status, body = await _get(s, base + "/ready")
             assert status == 503 and body["stopping"] is True  # not ready at once
             async with aiohttp.ClientSession() as s3, s3.post(base + "/v1/completions", json=_body()) as r:
                 assert r.status == 200  # still taken within the grace period
-            assert time.monotonic() - t_term < 1.0
-            text = await asyncio.wait_for(in_flight, 15.0)
+            assert time.monotonic() - t_term < grace  # (else the request above proved nothing)
+            text = await asyncio.wait_for(in_flight, patience(15.0))
             assert text.rstrip().endswith("data: [DONE]") and text.count("data: {") >= 10  # finished, whole
-            code = await asyncio.wait_for(proc.wait(), 15.0)
+            code = await asyncio.wait_for(proc.wait(), patience(15.0))
             assert code == 0, "\n".join(proc.lines[-20:])
             with pytest.raises(aiohttp.ClientConnectionError):
                 await _get(s, base + "/health")
@@ -257,7 +259,7 @@ async def test_sighup_reloads_the_worker_list_and_logs_the_diff(tmp_path: Path) 
                              "the refusal in the log")
             assert await ids() == ["b"]
             proc.send_signal(signal.SIGTERM)
-            assert await asyncio.wait_for(proc.wait(), 20.0) == 0
+            assert await asyncio.wait_for(proc.wait(), patience(20.0)) == 0
     logs = _json_lines(proc.lines)  # type: ignore[attr-defined]
     diff = [ln for ln in logs if ln.get("reason") == "reload"]
     assert diff and diff[0]["added"] == ["b"] and diff[0]["removed"] == ["a"]
@@ -282,7 +284,7 @@ async def test_sighup_keeps_the_command_line_overrides(tmp_path: Path) -> None:
             await wait_until(lambda: any("config reloaded from" in ln for ln in proc.lines), 10.0,  # type: ignore[attr-defined]
                              "the reload in the log")
             proc.send_signal(signal.SIGTERM)
-            assert await asyncio.wait_for(proc.wait(), 20.0) == 0
+            assert await asyncio.wait_for(proc.wait(), patience(20.0)) == 0
     logs = _json_lines(proc.lines)  # type: ignore[attr-defined]
     assert not [ln for ln in logs if ln.get("restart_needed")], proc.lines[-10:]  # type: ignore[attr-defined]
 
@@ -309,7 +311,7 @@ async def test_serve_processes_runs_replicas_on_one_port(tmp_path: Path) -> None
             assert children[0] not in again and children[1] in again
             await _until_ready(s, base, proc)
             proc.send_signal(signal.SIGTERM)
-            code = await asyncio.wait_for(proc.wait(), 20.0)
+            code = await asyncio.wait_for(proc.wait(), patience(20.0))
             assert code == 0, "\n".join(ln for ln in proc.lines if "request done" not in ln)  # type: ignore[attr-defined]
         assert all(_gone(pid) for pid in again)
     assert len(a.completions) == 10

@@ -10,6 +10,7 @@ from array import array
 from typing import Any
 
 import aiohttp
+from hangs import patience
 from test_gateway_errors import DIGEST, MODEL, _cfg, client, fleet, wait_until
 from test_gateway_fakes import FakeWorker
 
@@ -347,7 +348,7 @@ async def test_an_index_holding_more_than_the_worker_can_asks_for_the_stream_tai
                         break
                 asked: list[int] = []
                 for _ in range(10):  # the join replay (from 0), then the probe
-                    frames = await asyncio.wait_for(router.recv_multipart(), 5.0)
+                    frames = await asyncio.wait_for(router.recv_multipart(), patience(5.0))
                     asked.append(seq_from_bytes(frames[-1]))
                     await router.send_multipart([frames[0], b"", seq_to_bytes(END_SEQ), b""])
                     if asked[-1] == seq + 1:

@@ -21,6 +21,7 @@ import aiohttp
 import openai
 import pytest
 import yaml
+from hangs import patience
 
 from kvindex.tiers import Tier
 from router.config import Config, build_config
@@ -98,7 +99,7 @@ def _words(seed: int, n: int) -> str:
 
 
 async def _wait(pred: Any, timeout: float = 3.0) -> bool:
-    t = time.monotonic() + timeout
+    t = time.monotonic() + patience(timeout)
     while time.monotonic() < t:
         if pred():
             return True

@@ -162,9 +162,12 @@ def _run(names: tuple[str, ...], out: Path) -> dict[str, CaseResult]:
 
 
 def _assert_case(r: CaseResult) -> None:
+    """Every column and functional check; the timing checks (wall-clock bounds, scaled by
+    the load) are the report's: a busy machine must not fail the test run (they are
+    printed with the table above)."""
     if r.verdict == "SKIP":
         pytest.skip(r.skipped or "skipped")
-    assert r.verdict == "PASS", f"{r.name}: {r.verdict}\n{report.table([r])}\n{report.details([r])}"
+    assert r.functional_verdict == "PASS", f"{r.name}: {r.verdict}\n{report.table([r])}\n{report.details([r])}"
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ import msgspec
 import pytest
 import zmq
 import zmq.asyncio
+from hangs import patience
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -135,7 +136,7 @@ class Chain:
 
 
 async def wait_until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + patience(timeout)
     while not cond():
         if time.monotonic() > deadline:
             raise AssertionError("condition not reached in time")

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import uvicorn
+from hangs import patience
 
 from kvwire.linger import LingeringClose, drain
 from workers.app import build_app
@@ -33,7 +34,7 @@ async def serving(app: Any) -> AsyncIterator[int]:
         yield sock.getsockname()[1]
     finally:
         server.should_exit = server.force_exit = True
-        await asyncio.wait_for(task, 5)
+        await asyncio.wait_for(task, patience(5))
         sock.close()
 
 
@@ -50,7 +51,7 @@ async def send_slowly(port: int, path: str, size: int) -> bytes:
     except ConnectionError:
         pass
     try:
-        head = await asyncio.wait_for(reader.read(4096), 5.0)
+        head = await asyncio.wait_for(reader.read(4096), patience(5.0))
     except ConnectionError as e:
         head = repr(e).encode()
     writer.close()

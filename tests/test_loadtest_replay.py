@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -102,10 +101,8 @@ async def test_replay_open_loop_results(server: tuple[str, FakeServer], tmp_path
     synth = TokenSynth.for_trace(trace)
     out = tmp_path / "r.jsonl"
     with ResultsWriter(out) as w:
-        t0 = time.monotonic()
         results = await Replayer(trace, synth, ReplayConfig(url=url + "/v1", progress=False), label="fake",
                                  writer=w).run()
-        took = time.monotonic() - t0
     assert [r.index for r in results] == list(range(9))
     ok = results[:8]
     for r in ok:
@@ -116,11 +113,10 @@ async def test_replay_open_loop_results(server: tuple[str, FakeServer], tmp_path
         assert r.output_tokens == 4 and r.cached_tokens == 512
         assert r.loaded_tokens == {"GPU": 256, "CPU": 256} and r.recomputed_tokens == r.prompt_tokens - 512
         assert r.worker == "w7" and r.predicted_ttft_s == pytest.approx(0.025)
-        assert r.client_queue_s < 0.05
-    # open loop: sends follow the schedule, not the completions
-    starts = [r.start_s for r in ok]
-    assert starts[-1] - starts[0] == pytest.approx(0.14, abs=0.05)
-    assert took < 2.0
+    # open loop: sends follow the schedule (never before their time), not the completions
+    # (they overlap, where one at a time would never have two in flight)
+    assert all(r.start_s >= r.arrival_s - 0.001 for r in ok)
+    assert fake.max_active >= 2
     bad = results[8]
     assert bad.status == 400 and bad.error == "prompt too long" and not bad.ok
     # token ids were sent, exactly the synthesised ones, with ignore_eos

@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable
 
 import zmq
 import zmq.asyncio
+from hangs import patience
 
 from kvindex.events import BlockRemoved, EventDecoder, seq_from_bytes, seq_to_bytes
 from workers.publisher import KVEventPublisher
@@ -16,7 +17,7 @@ from workers.publisher import KVEventPublisher
 
 async def wait_until(predicate: Callable[[], Awaitable[bool]], timeout: float = 5.0) -> None:
     """Poll `predicate` until it holds; fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + patience(timeout)
     while not await predicate():
         assert time.monotonic() < deadline, f"condition not met within {timeout} s"
 
@@ -25,7 +26,7 @@ async def replay(dealer: zmq.asyncio.Socket, start: int) -> list[int]:
     await dealer.send_multipart([b"", seq_to_bytes(start)])
     seqs = []
     while True:
-        frames = await asyncio.wait_for(dealer.recv_multipart(), 5)
+        frames = await asyncio.wait_for(dealer.recv_multipart(), patience(5))
         assert frames[0] == b"" and len(frames) == 3
         s = seq_from_bytes(frames[1])
         if s == -1:
@@ -55,14 +56,14 @@ async def test_pub_frames_and_bounded_replay() -> None:
         await wait_until(subscribed)
         assert sent == list(range(len(sent)))  # sequence numbers from 0, one per batch
         dec = EventDecoder()
-        topic, seq, payload = await asyncio.wait_for(sub.recv_multipart(), 5)
+        topic, seq, payload = await asyncio.wait_for(sub.recv_multipart(), patience(5))
         first = seq_from_bytes(seq)
         assert topic == b"kv" and first in sent
         assert dec.decode(payload).events == [BlockRemoved([first], "CPU")]
         for i in range(first + 1, first + 10):  # received in order, no gap, the seq publish() returned
             if i >= len(sent):
                 assert pub.publish([BlockRemoved([i], "CPU")]) == i
-            topic, seq, payload = await asyncio.wait_for(sub.recv_multipart(), 5)
+            topic, seq, payload = await asyncio.wait_for(sub.recv_multipart(), patience(5))
             assert topic == b"kv" and seq_from_bytes(seq) == i
             assert dec.decode(payload).events == [BlockRemoved([i], "CPU")]
         last = first + 9

@@ -18,6 +18,7 @@ import openai
 import pytest
 import zmq
 import zmq.asyncio
+from hangs import patience
 
 from kvindex.events import BlockStored, EventDecoder, seq_from_bytes, seq_to_bytes
 from kvindex.keys import BlockHasher, Namespace, digests64
@@ -69,7 +70,7 @@ async def post(http: aiohttp.ClientSession, url: str, body: object) -> tuple[int
 
 async def wait_until(predicate: Callable[[], bool | Awaitable[bool]], timeout: float = 5.0) -> None:
     """Poll `predicate` (sync or async) until it holds; fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + patience(timeout)
     while True:
         got = predicate()
         if not isinstance(got, bool):
@@ -446,7 +447,7 @@ async def test_zmq_subscriber_gets_events_and_replay(cluster: SimCluster, http: 
         dec = EventDecoder()
         stored: list[BlockStored] = []
         while not stored:  # skip the warm-up batches: the batch that stores p's blocks
-            topic, seq_b, payload = await asyncio.wait_for(sub.recv_multipart(), 5)
+            topic, seq_b, payload = await asyncio.wait_for(sub.recv_multipart(), patience(5))
             assert topic == b"kv"
             batch = dec.decode(payload)
             stored = [e for e in batch.events if isinstance(e, BlockStored) and e.block_hashes[0] == digests64(keys)[0]]
@@ -459,10 +460,10 @@ async def test_zmq_subscriber_gets_events_and_replay(cluster: SimCluster, http: 
         assert stored[0].parent_block_hash is None and stored[0].extra_keys[0] == ("t:z",)
         # replay from that sequence: the same batch again, then the end marker
         await dealer.send_multipart([b"", seq_to_bytes(seq)])
-        frames = await asyncio.wait_for(dealer.recv_multipart(), 5)
+        frames = await asyncio.wait_for(dealer.recv_multipart(), patience(5))
         assert frames[0] == b"" and seq_from_bytes(frames[1]) == seq and frames[2] == payload
         while True:
-            frames = await asyncio.wait_for(dealer.recv_multipart(), 5)
+            frames = await asyncio.wait_for(dealer.recv_multipart(), patience(5))
             if seq_from_bytes(frames[1]) == -1:
                 assert frames[2] == b""
                 break

@@ -56,7 +56,7 @@ def details(results: list[CaseResult]) -> str:
         if r.error:
             out.append(f"  error: {r.error.splitlines()[0][:400]}")
         for ck in r.failed_checks:
-            out.append(f"  check failed: {ck.name}: {ck.detail}")
+            out.append(f"  {'timing check' if ck.timing else 'check'} failed: {ck.name}: {ck.detail}")
         for cat in (S5XX, HUNG, LOST, WRONG):
             for s in r.samples.get(cat, [])[:3]:
                 out.append(f"  {cat}: [{s['label'] or '-'}] {s['why'][:300]}")

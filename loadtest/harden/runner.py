@@ -24,6 +24,7 @@ import msgspec
 
 from .client import Reply, request
 from .config import SMALL_TIMEOUTS, gateway_config, namespace_digest, pool_fields, write_profile
+from .load import load_factor
 from .outcome import ABANDONED, CaseResult, Outcome, Spec, classify
 from .procs import REPO, FaultyProc, GatewayProc, Procs, SimCluster, StartError
 from .rss import RssSampler
@@ -67,8 +68,9 @@ class Settings:
 class Ctx:
     """What a case works with: its processes, its counters, its size."""
 
-    def __init__(self, c: Case, st: Settings, folder: Path, sampler: RssSampler) -> None:
+    def __init__(self, c: Case, st: Settings, folder: Path, sampler: RssSampler, stretch: float = 1.0) -> None:
         self.case = c
+        self.stretch = stretch  # the load factor at the case's start: deadlines and timing bounds × this
         self.st = st
         self.size = st.size
         self.small = st.size == "small"
@@ -94,6 +96,15 @@ class Ctx:
 
     def check(self, name: str, ok: bool, detail: str = "") -> bool:
         return self.result.check(name, ok, detail)
+
+    def timing(self, name: str, seconds: float | None, idle_bound_s: float, what: str = "took") -> bool:
+        """A wall-clock bound: `seconds` (None: it never happened) within `idle_bound_s`
+        stretched by the load factor. Judged in the report, not by the default test run."""
+        bound = idle_bound_s * self.stretch
+        ok = seconds is not None and seconds <= bound
+        got = "never" if seconds is None else f"{seconds:.1f} s"
+        return self.result.check(f"{name} (within {idle_bound_s:g} s × load {self.stretch:.2f})", ok,
+                                 f"{what} {got}; bound {bound:.1f} s", timing=True)
 
     def note(self, text: str) -> None:
         self.result.notes.append(text)
@@ -177,6 +188,7 @@ class Ctx:
                    label: str = "", count: bool = True, **kw: Any) -> Outcome:
         """Send one request, judge it (outcome.classify) and count it in the table."""
         spec = spec or Spec()
+        timeout *= self.stretch  # a request's deadline, on this machine now
         if spec.tenant_facing:
             spec.secrets = tuple(sorted(set(spec.secrets) | self.secrets))
         host, port = _host_port(base)
@@ -196,7 +208,7 @@ class Ctx:
                   headers: dict[str, str] | None = None, timeout: float = 10.0, **kw: Any) -> Reply:
         """A request that is not counted (the case's own bookkeeping: admin, metrics, stats)."""
         host, port = _host_port(base)
-        return await request(host, port, method, path, body, headers, timeout=timeout, **kw)
+        return await request(host, port, method, path, body, headers, timeout=timeout * self.stretch, **kw)
 
     async def json(self, base: str | GatewayProc, path: str, *, method: str = "GET", body: Any = None,
                    headers: dict[str, str] | None = None, timeout: float = 10.0) -> Any:
@@ -245,20 +257,21 @@ def run_case(c: Case, st: Settings, sampler: RssSampler) -> CaseResult:
     folder = st.out / c.name
     folder.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    budget = c.budget_s[0 if st.size == "small" else 1]
+    stretch = load_factor()  # a busy machine gets more time, never less than an idle one's
+    budget = c.budget_s[0 if st.size == "small" else 1] * stretch
     ctx: Ctx | None = None
     res = CaseResult(c.name, c.summary)
     try:
-        ctx = Ctx(c, st, folder, sampler)
+        ctx = Ctx(c, st, folder, sampler, stretch)
         res = ctx.result
-        ctx.log(f"case {c.name} ({st.size})")
+        ctx.log(f"case {c.name} ({st.size}); load factor {stretch:.2f}: budget {budget:.0f} s")
         asyncio.run(asyncio.wait_for(c.fn(ctx), budget))
         ctx.log("case done")
     except Skip as e:
         res.skipped = str(e)
     except TimeoutError as e:
         if time.monotonic() - t0 >= budget:
-            res.error = f"the case did not finish within its {budget:.0f} s budget"
+            res.error = f"the case did not finish within its {budget:.0f} s budget (load factor {stretch:.2f})"
         else:
             res.error = f"TimeoutError: {e}"
             _trace(folder)

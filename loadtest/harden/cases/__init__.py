@@ -5,13 +5,17 @@ from __future__ import annotations
 from ..runner import CASES
 from . import (  # noqa: F401
     admin,
+    browser,
+    busy,
     clients,
+    deploy,
     drain,
     edge,
     embeddings,
     events,
     faults,
     fuzz,
+    headers,
     memory,
     network_policy,
     overload,
@@ -30,13 +34,15 @@ ORDER = (
     "tenant_probe",
     # 5, 6. the admin API
     "admin_ipc_bind", "admin_ssrf",
+    # the connection's edge, the admin API against a browser, how the gateway is deployed
+    "header_flood", "slow_loris", "admin_cross_site", "processes_admin", "k8s_service_links",
     # 7. deep JSON
     "deep_json",
     # workers failing
     "worker_killed_mid_stream", "worker_killed_first_byte", "worker_reset", "worker_garbage_sse",
     "worker_truncated_sse", "worker_500", "worker_429", "vllm_passthrough_faults",
     # the index across failures
-    "event_gap", "publisher_restart", "gateway_restart",
+    "event_gap", "publisher_restart", "gateway_restart", "busy_machine",
     # clients
     "slow_readers", "client_disconnects", "body_413_keepalive",
     # fuzzing

@@ -9,6 +9,7 @@ from typing import Any
 
 from ...ports import free_port
 from ..config import SERVED, kvroute_worker
+from ..load import scaled
 from ..outcome import CHAT, COMPLETION, Outcome, Spec
 from ..procs import FaultyProc, GatewayProc, SimCluster, free_ports
 from ..runner import Ctx
@@ -84,7 +85,8 @@ async def gather_limited(n: int, limit: int, fn: Callable[[int], Awaitable[Any]]
 
 
 async def wait_until(pred: Callable[[], Awaitable[bool]], timeout: float, every: float = 0.2) -> bool:
-    deadline = time.monotonic() + timeout
+    """Poll `pred` for `timeout` seconds of an idle machine (stretched by the load)."""
+    deadline = time.monotonic() + scaled(timeout)
     while True:
         if await pred():
             return True

@@ -235,17 +235,17 @@ async def gateway_restart(ctx: Ctx) -> None:
     # a new gateway, no traffic at all: the index must come back from the workers
     gw2 = await ctx.gateway(gw.config, wait_ready=True, port=gw.port)
     t_ready = time.monotonic()
-    ctx.check("the restarted gateway is ready within 5 s", (gw2.ready_s or 99.0) <= 5.0,
-              f"/ready said 200 {gw2.ready_s:.1f} s after the start" if gw2.ready_s else "never ready")
+    ctx.timing("the restarted gateway is ready", gw2.ready_s, 5.0, "/ready said 200 after")
 
     async def back() -> bool:
         return all([await best(p, gw2) >= BLOCKS for p in warm])
 
-    ok = await wait_until(back, 5.0, 0.25)
+    ok = await wait_until(back, 60.0, 0.25)  # a bound against never; how soon is the timing check below
+    t_back = time.monotonic() - t_ready
     after = [await best(p, gw2) for p in warm]
-    ctx.check("the index is back within 5 s of the restart, with no traffic", ok,
-              f"matched blocks of the warm prompts {time.monotonic() - t_ready:.1f} s after ready: {after} "
-              f"(want {BLOCKS} each)")
+    ctx.check("the index is back after the restart, with no traffic", ok,
+              f"matched blocks of the warm prompts {t_back:.1f} s after ready: {after} (want {BLOCKS} each)")
+    ctx.timing("the index is back after /ready", t_back if ok else None, 5.0, "the warm prompts matched after")
     # and the new one serves under the same load
     stop.clear()
     target["g"] = gw2
