@@ -330,6 +330,39 @@ def print_table(rows: list[dict[str, Any]], names: list[str]) -> None:
         print(f"{n:<14}" + "".join(cells))
 
 
+def sim_check(servers: list[vh.VllmServer], trace: Trace, tmp: Path) -> Path | None:
+    """Calibrate server 0 into a simulator profile and simulate the slice on two such
+    workers with round robin; returns the simulator's results file (None: it failed)."""
+    from loadtest.calibrate import run_calibrate
+    from loadtest.mooncake import dump_mooncake
+
+    prof = tmp / "calibrated.yaml"
+    m = run_calibrate(servers[0].url, prof, base_profile="tiny-cpu", name="calibrated", model=vh.SERVED_NAME,
+                      lengths=(32, 128, 256, 512), repeats=3)
+    print(f"calibrated server 0: overhead {m.overhead_s * 1e3:.1f} ms + {m.prefill_tokens_per_s:.0f} tokens/s, "
+          f"decode steps {', '.join(f'{b}: {v * 1e3:.1f} ms' for b, v in sorted(m.decode_steps.items()))}", flush=True)
+    sl = tmp / "slice.jsonl"
+    dump_mooncake(trace, sl)
+    out = tmp / "sim"
+    r = subprocess.run([sys.executable, "-m", "loadtest.cli", "simulate", "--trace", str(sl), "--block-tokens",
+                        str(BLOCK), "--workers", "2", "--profile", str(prof), "--policies", "round_robin",
+                        "--no-ideal", "--no-plots", "--transport", "local-http", "--out", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=900)
+    if r.returncode != 0:
+        print(f"!!! the simulation failed:\n{r.stderr[-1500:]}", flush=True)
+        return None
+    return out / "results.jsonl"
+
+
+def sim_ttfts(path: Path) -> list[float]:
+    out = []
+    for line in path.read_text().splitlines():
+        d = json.loads(line)
+        if d.get("ttft_s") is not None and d.get("run", "").startswith("round_robin"):
+            out.append(d["ttft_s"] * 1e3)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", required=True, help="Mooncake conversation JSONL (512-token hash blocks)")
@@ -339,6 +372,9 @@ def main() -> int:
     ap.add_argument("--routers", default="kvroute,sglang,vllm_cache,vllm_rr")
     ap.add_argument("--json", default=None)
     ap.add_argument("--max-seconds", type=float, default=3600.0)
+    ap.add_argument("--sim-check", action="store_true",
+                    help="also calibrate server 0 into a simulator profile, simulate the slice with round robin "
+                         "and compare its TTFT p50/p90 with the real round-robin runs (vllm_rr)")
     args = ap.parse_args()
     names = [n for n in args.routers.split(",") if n]
     bad = [n for n in names if n not in ROUTERS]
@@ -361,6 +397,8 @@ def main() -> int:
                     ("VLLM_CPU_OMP_THREADS_BIND", str(i % (os.cpu_count() or 1))), ("OMP_NUM_THREADS", "1")))
                 servers.append(vh.start_server(py, model, tmp, f"vllm{i}", opts))
             vh.wait_healthy(servers)
+            sim_file = sim_check(servers, trace, tmp) if args.sim_check else None
+            sim = sim_ttfts(sim_file) if sim_file is not None else []
             print(f"2 vLLM servers up; {len(trace.requests)} requests over {trace.requests[-1].arrival_s:.0f} s",
                   flush=True)
             for rnd in range(args.rounds):
@@ -379,6 +417,14 @@ def main() -> int:
             for s in locals().get("servers", []):
                 vh.stop_server(s)
     print_table(rows, names)
+    if args.sim_check and sim:
+        real = [r for r in rows if r["router"] == "vllm_rr"]
+        if real:
+            rp50 = statistics.median(r["p50"] for r in real)
+            rp90 = statistics.median(r["p90"] for r in real)
+            sp50, sp90 = q(sim, 0.5), q(sim, 0.9)
+            print(f"\nsim-to-real (round robin): simulated p50 {sp50:.1f} / p90 {sp90:.1f} ms, "
+                  f"real p50 {rp50:.1f} / p90 {rp90:.1f} ms: ratios {sp50 / rp50:.2f} / {sp90 / rp90:.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

@@ -143,7 +143,7 @@ def profile_yaml(base: dict[str, Any], m: Measured, name: str, url: str) -> str:
 
 async def _served_model(url: str) -> str:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s, s.get(url + "/v1/models") as r:
-        body = await r.json(content_type=None)
+        body: dict[str, Any] = await r.json(content_type=None)
     return str(body["data"][0]["id"])
 
 

@@ -9,6 +9,7 @@ report, compare, trace.
     report    RESULTS.jsonl... --out DIR
     compare   --trace FILE --policies a,b [--limit N]   (offline simulator vs HTTP replay)
     trace     stats --trace FILE | convert --trace FILE --to OUT.jsonl
+    calibrate --url URL --out PROFILE.yaml [--base-profile tiny-cpu]   (a real worker -> a simulator profile)
 
 Every command writes results as JSONL plus a Markdown report with PNG plots into
 `--out` (default: runs/<command>-<time>/) and prints the main table. Exit status:
@@ -259,6 +260,27 @@ def cmd_harden(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from .calibrate import run_calibrate
+
+    try:
+        lengths = tuple(int(x) for x in args.lengths.split(","))
+    except ValueError:
+        raise ValueError(f"--lengths: comma-separated token counts, got {args.lengths!r}") from None
+    if not lengths or min(lengths) < 1 or args.repeats < 1:
+        raise ValueError("--lengths must be positive token counts and --repeats >= 1")
+    out = Path(args.out)
+    if out.exists() and not args.force:
+        raise ValueError(f"{out} exists (pass --force to replace it)")
+    m = run_calibrate(args.url, out, base_profile=args.base_profile, name=args.name or out.stem, model=args.model,
+                      lengths=lengths, repeats=args.repeats)
+    steps = ", ".join(f"batch {b}: {s * 1e3:.2f} ms" for b, s in sorted(m.decode_steps.items()))
+    print(f"prefill: overhead {m.overhead_s * 1e3:.1f} ms + {m.prefill_tokens_per_s:.0f} tokens/s "
+          f"({m.samples} samples, residual spread {m.rel_spread:.1%}); decode steps {steps}")
+    print(f"profile written: {out} (use it with `kvroute loadtest simulate --profile {out}`)")
+    return 0
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
     from .compare import CompareConfig, run_compare
 
@@ -364,6 +386,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="reuse the HTTP runs of an earlier compare instead of replaying (re-check the offline side)")
     p.add_argument("--out", default=None)
     p.set_defaults(fn=cmd_compare)
+
+    p = sub.add_parser("calibrate", help="measure a real worker (vLLM or ours) and write a simulator profile")
+    p.add_argument("--url", required=True, help="the worker's base URL (its OpenAI routes, not the gateway's)")
+    p.add_argument("--out", required=True, help="the profile YAML to write")
+    p.add_argument("--base-profile", default="tiny-cpu",
+                   help="geometry, memory, tiers and scheduler come from this profile (name or path)")
+    p.add_argument("--name", default=None, help="the profile's name (default: --out's stem)")
+    p.add_argument("--model", default=None, help="model name to send (default: the worker's first /v1/models)")
+    p.add_argument("--lengths", default="32,128,256,512,1024", help="uncached prompt lengths to time (tokens)")
+    p.add_argument("--repeats", type=int, default=3, help="timings per length")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    p.set_defaults(fn=cmd_calibrate)
 
     p = sub.add_parser("trace", help="trace statistics, or convert to Mooncake JSONL")
     p.add_argument("action", choices=["stats", "convert"])
