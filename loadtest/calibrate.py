@@ -138,7 +138,7 @@ def profile_yaml(base: dict[str, Any], m: Measured, name: str, url: str) -> str:
     head = (f"# Measured by `kvroute loadtest calibrate` at {url} ({time.strftime('%Y-%m-%d')}): {m.samples} uncached\n"
             f"# prefills fitted as overhead {m.overhead_s * 1e3:.1f} ms + {m.prefill_tokens_per_s:.0f} tokens/s "
             f"(residual spread {m.rel_spread:.1%});\n# decode steps {steps}. Everything else is the base profile's.\n")
-    return head + yaml.safe_dump(data, sort_keys=False)
+    return head + str(yaml.safe_dump(data, sort_keys=False))
 
 
 async def _served_model(url: str) -> str:
