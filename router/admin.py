@@ -171,5 +171,6 @@ def speeds_summary(w: Any) -> dict[str, Any]:
     c = w.view.cost
     out["in_use"] = {"prefill_tokens_per_s": round(c.prefill_tokens_per_s, 1),
                      "prefill_overhead_ms": round(c.prefill_overhead_s * 1e3, 3),
-                     "decode_step_ms": round(c.decode_step_s * 1e3, 3)}
+                     "decode_step_ms": round(c.decode_step_s * 1e3, 3),
+                     "ride_per_running_ms": round(c.ride_per_running_s * 1e3, 3)}
     return out

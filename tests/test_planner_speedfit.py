@@ -16,7 +16,7 @@ def _base() -> CostParams:
 
 
 def _engine(new: int, running: int, *, tps: float = 1100.0, overhead: float = 0.03, ride: float = 0.006) -> float:
-    return overhead + new / tps + (ride if running else 0.0)
+    return overhead + new / tps + ride * running
 
 
 def test_fit_recovers_an_engine_20x_slower_than_assumed() -> None:
@@ -72,6 +72,7 @@ def test_apply_respects_pins_and_writes_speeds() -> None:
         sf.add(Sample(n, 0, 0, _engine(n, 0)))
     live = _base()
     sf.apply(live, frozenset({"prefill_overhead_s"}))
+    assert live.decode_step_s == 0.0  # the step time is a report's, never the fit's
     assert live.prefill_tokens_per_s == pytest.approx(1100.0, rel=0.05)
     assert live.prefill_overhead_s == 0.0  # pinned by the operator
     assert sf.summary()["state"] == "fitted"

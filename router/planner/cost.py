@@ -44,11 +44,14 @@ def decode_ride_seconds(cost: CostParams, prefill_tokens: int, decodes: int) -> 
     the worker's `decodes` sequences (one token each, from the same token budget), so a
     prefill spanning `s` steps on a busy worker takes `s` decode steps longer than on an
     idle one. `decode_step_s` is the step time the worker last reported for its batch."""
-    if decodes <= 0 or prefill_tokens <= 0 or cost.decode_step_s <= 0.0:
+    if decodes <= 0 or prefill_tokens <= 0:
         return 0.0
+    measured = cost.ride_per_running_s * decodes  # a SpeedFit's own measure (speedfit.py)
+    if cost.decode_step_s <= 0.0:
+        return measured
     # A report with more decodes than the budget (not a sane engine) leaves an eighth of it.
     per_step = max(cost.max_batched_tokens - decodes, cost.max_batched_tokens // 8, 1)
-    return -(-prefill_tokens // per_step) * cost.decode_step_s
+    return -(-prefill_tokens // per_step) * cost.decode_step_s + measured
 
 
 def running_decodes(w: WorkerView) -> int:

@@ -3,9 +3,10 @@
 A request dispatched to a worker with no other prefill ahead of it (a probe at join, or a
 request that found the worker's queue empty) measures that worker directly: its time to
 first token is the fixed per-request overhead, the prefill of its new tokens given the
-cached ones, and the decode steps the prefill's step carried when others were running:
+cached ones, and what each request decoding there meanwhile adds (its share of the step,
+and on an engine whose server shares its cores, the streaming work for it):
 
-    ttft = overhead + scale * shape(new, cached) + ride * [running > 0]
+    ttft = overhead + scale * shape(new, cached) + ride * running
 
 `shape` is the cost model's prefill formula for the worker's starting coefficients, so a
 fit keeps their form (linear + attention) and measures the three numbers that differ most
@@ -53,13 +54,13 @@ class Sample:
 class Fit:
     overhead_s: float
     scale: float  # x the starting coefficients' prefill time
-    ride_s: float  # added when others were decoding
+    ride_s: float  # added per request decoding on the worker meanwhile
     rel_spread: float  # robust spread of the relative residuals (1.4826 x MAD)
     samples: int
 
     def ttft(self, base: CostParams, new: int, cached: int, running: int) -> float:
         shape = prefill_seconds(base, new, cached) - base.prefill_overhead_s
-        return self.overhead_s + self.scale * shape + (self.ride_s if running > 0 else 0.0)
+        return self.overhead_s + self.scale * shape + self.ride_s * running
 
 
 class SpeedFit:
@@ -126,8 +127,7 @@ class SpeedFit:
             cost.prefill_attn_s_per_token2 = b.prefill_attn_s_per_token2 * fit.scale
         if "prefill_overhead_s" not in pinned:
             cost.prefill_overhead_s = fit.overhead_s
-        if "decode_step_s" not in pinned and fit.ride_s > 0.0:
-            cost.decode_step_s = fit.ride_s
+        cost.ride_per_running_s = fit.ride_s
 
     def summary(self) -> dict[str, object]:
         fit = self.fit
@@ -137,7 +137,7 @@ class SpeedFit:
             b = self.base
             out.update(overhead_ms=round(fit.overhead_s * 1e3, 3),
                        prefill_tokens_per_s=round(b.prefill_tokens_per_s / fit.scale, 1),
-                       ride_ms=round(fit.ride_s * 1e3, 3), rel_spread=round(fit.rel_spread, 4))
+                       ride_per_running_ms=round(fit.ride_s * 1e3, 3), rel_spread=round(fit.rel_spread, 4))
         return out
 
 
@@ -146,14 +146,14 @@ def _rel_residual(base: CostParams, fit: Fit, s: Sample) -> float:
 
 
 def fit_samples(base: CostParams, samples: list[Sample]) -> Fit:
-    """Huber IRLS of `ttft = a + s*shape + r*[running>0]` in relative terms, coefficients
+    """Huber IRLS of `ttft = a + s*shape + r*running` in relative terms, coefficients
     kept non-negative by dropping a column that comes out negative (then refitting)."""
     rows = [(1.0, prefill_seconds(base, x.new_tokens, x.cached_tokens) - base.prefill_overhead_s,
-             1.0 if x.running > 0 else 0.0) for x in samples]
+             float(x.running)) for x in samples]
     y = [x.ttft_s for x in samples]
     cols = [0, 1, 2]
-    if not any(r[2] for r in rows) or all(r[2] for r in rows):
-        cols.remove(2)  # all idle or all busy: the ride is not identifiable apart from the overhead
+    if sum(1 for r in rows if r[2] > 0) < MIN_SAMPLES or sum(1 for r in rows if r[2] == 0) < MIN_SAMPLES:
+        cols.remove(2)  # too few samples on each side: the ride would fit a stray sample or two
     coef = _irls(rows, y, cols)
     for c in (2, 0):
         if c in cols and coef[c] < 0.0:

@@ -40,6 +40,10 @@ class CostParams:
     # large GPUs), shared by the running decodes and the prefill chunks of one step
     # (cost.coschedule_seconds).
     max_batched_tokens: int = 8192
+    # What each request decoding on the worker adds to a newcomer's first token, as measured
+    # (speedfit.py): on an engine whose server shares its cores with the running streams,
+    # far more than the step's own decode share. 0 = not measured.
+    ride_per_running_s: float = 0.0
     # Load links per tier below GPU (GPU itself costs nothing to "load").
     links: dict[Tier, Link] = field(default_factory=dict)
 
