@@ -15,7 +15,7 @@ count alike) and the fit is a Huber IRLS over a sliding window: one stalled requ
 nothing, a slower engine moves everything. No bound limits what a fit may find.
 
 State: `probing` (too few samples to trust), `fitted`, `drifting` (the latest samples sit
-off the fit: it is refitting on them). Pure: the gateway and the simulator feed it.
+off the fit: the window is moving to a new speed). Pure: the gateway and the simulator feed it.
 """
 from __future__ import annotations
 
@@ -24,12 +24,14 @@ from collections import deque
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
+import numpy as np
+
 from .cost import prefill_seconds
 from .types import CostParams
 
 WINDOW = 64  # samples a fit looks at: recent enough to follow a change in minutes
 MIN_SAMPLES = 4  # below this the worker is `probing`
-REFIT_EVERY = 4
+REFIT_EVERY = 8
 DRIFT_SAMPLES = 8  # the latest samples that decide `drifting`
 DRIFT_REL = 0.25  # their median relative residual past this: `drifting`
 _HUBER_K = 1.345  # the usual 95%-efficiency constant
@@ -75,7 +77,7 @@ class SpeedFit:
         self.total = 0
 
     def add(self, s: Sample) -> None:
-        """One clean sample; refits at once (a few dozen rows, microseconds)."""
+        """One clean sample; refits when due (64 rows at most: ~0.2 ms with numpy)."""
         if s.ttft_s <= 0.0 or not math.isfinite(s.ttft_s) or s.new_tokens <= 0:
             return
         self.samples.append(s)
@@ -84,8 +86,8 @@ class SpeedFit:
         if n < MIN_SAMPLES:
             return
         # Once fitted, a refit every few samples follows a change as well (the window is
-        # the memory) at a fraction of the gateway's CPU; a drifting fit refits each time.
-        if self.fit is None or n < WINDOW // 4 or self.state is FitState.DRIFTING or self.total % REFIT_EVERY == 0:
+        # the memory) at a fraction of the gateway's CPU.
+        if self.fit is None or n < WINDOW // 4 or self.total % REFIT_EVERY == 0:
             self.fit = fit_samples(self.base, list(self.samples))
         self.state = self._state()
 
@@ -148,66 +150,39 @@ def _rel_residual(base: CostParams, fit: Fit, s: Sample) -> float:
 def fit_samples(base: CostParams, samples: list[Sample]) -> Fit:
     """Huber IRLS of `ttft = a + s*shape + r*running` in relative terms, coefficients
     kept non-negative by dropping a column that comes out negative (then refitting)."""
-    rows = [(1.0, prefill_seconds(base, x.new_tokens, x.cached_tokens) - base.prefill_overhead_s,
-             float(x.running)) for x in samples]
-    y = [x.ttft_s for x in samples]
+    x = np.array([(1.0, prefill_seconds(base, q.new_tokens, q.cached_tokens) - base.prefill_overhead_s,
+                   float(q.running)) for q in samples])
+    y = np.array([q.ttft_s for q in samples])
     cols = [0, 1, 2]
-    if sum(1 for r in rows if r[2] > 0) < MIN_SAMPLES or sum(1 for r in rows if r[2] == 0) < MIN_SAMPLES:
+    busy = int(np.count_nonzero(x[:, 2]))
+    if busy < MIN_SAMPLES or len(samples) - busy < MIN_SAMPLES:
         cols.remove(2)  # too few samples on each side: the ride would fit a stray sample or two
-    coef = _irls(rows, y, cols)
+    coef = _irls(x, y, cols)
     for c in (2, 0):
         if c in cols and coef[c] < 0.0:
             cols.remove(c)
-            coef = _irls(rows, y, cols)
-    if coef[1] <= 0.0:  # one prompt length only: the overhead takes it all
+            coef = _irls(x, y, cols)
+    if coef[1] <= 0.0:  # times that do not grow with the prompt: the scale alone carries them
         cols = [1] + [c for c in cols if c == 2]
-        coef = _irls(rows, y, cols)
-    fit = Fit(max(coef[0], 0.0), coef[1] if coef[1] > 0.0 else 1.0, max(coef[2], 0.0), 0.0, len(samples))
-    rel = sorted(abs(_rel_residual(base, fit, s)) for s in samples)
-    return replace(fit, rel_spread=1.4826 * rel[len(rel) // 2])
+        coef = _irls(x, y, cols)
+    fit = Fit(max(float(coef[0]), 0.0), float(coef[1]) if coef[1] > 0.0 else 1.0, max(float(coef[2]), 0.0), 0.0,
+              len(samples))
+    pred = fit.overhead_s + fit.scale * x[:, 1] + fit.ride_s * x[:, 2]
+    return replace(fit, rel_spread=float(1.4826 * np.median(np.abs((y - pred) / y))))
 
 
-def _irls(rows: list[tuple[float, float, float]], y: list[float], cols: list[int]) -> list[float]:
-    w = [1.0 / (v * v) for v in y]  # relative least squares
-    coef = _wls(rows, y, w, cols)
-    for _ in range(_IRLS_ROUNDS):
-        res = [(y[i] - sum(coef[c] * rows[i][c] for c in cols)) / y[i] for i in range(len(y))]
-        mad = sorted(abs(r) for r in res)[len(res) // 2] * 1.4826
-        k = _HUBER_K * max(mad, 1e-3)
-        hw = [1.0 if abs(r) <= k else k / abs(r) for r in res]
-        coef = _wls(rows, y, [w[i] * hw[i] for i in range(len(y))], cols)
-    return coef
-
-
-def _wls(rows: list[tuple[float, float, float]], y: list[float], w: list[float], cols: list[int]) -> list[float]:
-    """Weighted least squares over the chosen columns (normal equations, at most 3x3)."""
-    k = len(cols)
-    a = [[0.0] * k for _ in range(k)]
-    b = [0.0] * k
-    for r, v, wi in zip(rows, y, w, strict=True):
-        for i, ci in enumerate(cols):
-            b[i] += wi * r[ci] * v
-            for j, cj in enumerate(cols):
-                a[i][j] += wi * r[ci] * r[cj]
-    sol = _solve(a, b)
-    out = [0.0, 0.0, 0.0]
-    for i, c in enumerate(cols):
-        out[c] = sol[i]
+def _irls(x: np.ndarray, y: np.ndarray, cols: list[int]) -> np.ndarray:
+    """Weighted least squares in relative terms, reweighted `_IRLS_ROUNDS` times by Huber."""
+    xs = x[:, cols] / y[:, None]  # rows scaled by 1/y: relative residuals
+    ys = np.ones_like(y)
+    hw = np.ones_like(y)
+    sol = np.zeros(len(cols))
+    for _ in range(_IRLS_ROUNDS + 1):
+        sw = np.sqrt(hw)
+        sol = np.linalg.lstsq(xs * sw[:, None], ys * sw, rcond=None)[0]
+        res = np.abs(ys - xs @ sol)
+        k = _HUBER_K * max(float(np.median(res)) * 1.4826, 1e-3)
+        hw = np.where(res <= k, 1.0, k / np.maximum(res, 1e-12))
+    out = np.zeros(3)
+    out[cols] = sol
     return out
-
-
-def _solve(a: list[list[float]], b: list[float]) -> list[float]:
-    """Gaussian elimination with partial pivoting; a singular system gives zeros there."""
-    n = len(b)
-    m = [row[:] + [b[i]] for i, row in enumerate(a)]
-    for i in range(n):
-        p = max(range(i, n), key=lambda r: abs(m[r][i]))
-        m[i], m[p] = m[p], m[i]
-        if abs(m[i][i]) < 1e-300:
-            continue
-        for r in range(n):
-            if r != i:
-                f = m[r][i] / m[i][i]
-                for c in range(i, n + 1):
-                    m[r][c] -= f * m[i][c]
-    return [m[i][n] / m[i][i] if abs(m[i][i]) >= 1e-300 else 0.0 for i in range(n)]
