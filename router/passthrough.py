@@ -167,10 +167,15 @@ class _StreamRelay:
         await self.out.body(b"".join(parts), not self.done)
 
     async def rest(self, resp: aiohttp.ClientResponse) -> None:
+        out = self.out
         while not self.done:
             parts = self._events(await self._read(resp))
-            if parts or self.done:
-                await self.out.body(b"".join(parts), not self.done)
+            if self.done:
+                await out.body(b"".join(parts))
+            elif parts:
+                data = b"".join(parts)
+                if not out.write_now(data):  # straight to the connection when it needs no wait
+                    await out.body(data, True)
 
     async def _read(self, resp: aiohttp.ClientResponse) -> bytes:
         w = self.a.worker
