@@ -66,7 +66,11 @@ class KeyFidelity:
         if sample.cached_diff is not None and abs(sample.cached_diff) >= sample.cached_tolerance:
             wf.cached_mismatches += 1
             wf.example = wf.example or f"worker reported {sample.cached_diff:+d} cached tokens vs the index"
-        if len(wf.samples) < MIN_SAMPLES:
+        # A prompt counted differently is a different tokenizer or template at once; cached
+        # tokens alone also drift with event lag (a burst sharing a first block), so they
+        # need a whole window to convict.
+        prompt_wrong = any(s.prompt_diff for s in wf.samples)
+        if len(wf.samples) < (MIN_SAMPLES if prompt_wrong else WINDOW):
             return None
         share = wf.share_wrong()
         if not wf.mis_keyed and share >= MISKEYED_SHARE:

@@ -11,7 +11,7 @@ from typing import Any
 
 from kvindex.index import PrefixIndex
 from kvindex.keys import digests64
-from router.fidelity import KeyFidelity
+from router.fidelity import MIN_SAMPLES, WINDOW, KeyFidelity
 from router.metrics import GatewayMetrics
 from router.observe import Observer
 
@@ -54,8 +54,19 @@ def test_cached_tokens_the_index_never_sees_still_flag_the_worker() -> None:
     index = PrefixIndex(BS)
     index.add_worker("v", b"\0" * 32, WB)
     obs = _observer()
-    for _ in range(10):
+    for i in range(WINDOW):
         a, _keys_ = _attempt(index, 160)
         obs._fidelity(a, SimpleNamespace(prompt_tokens=160, cached_tokens=64), None)  # type: ignore[arg-type]
-    wf = obs.fidelity.workers["v"]
-    assert wf.cached_mismatches == 10 and wf.mis_keyed
+        # cached tokens alone convict only over a whole window (a burst's lag is short)
+        assert obs.fidelity.workers["v"].mis_keyed is (i == WINDOW - 1)
+    assert obs.fidelity.workers["v"].cached_mismatches == WINDOW
+
+
+def test_a_prompt_counted_differently_convicts_within_a_few_answers() -> None:
+    index = PrefixIndex(BS)
+    index.add_worker("v", b"\0" * 32, WB)
+    obs = _observer()
+    for _ in range(MIN_SAMPLES):
+        a, _keys_ = _attempt(index, 160)
+        obs._fidelity(a, SimpleNamespace(prompt_tokens=167, cached_tokens=0), None)  # type: ignore[arg-type]
+    assert obs.fidelity.workers["v"].mis_keyed
