@@ -7,8 +7,8 @@ engine. Measured over HTTP, as a client sees the worker:
 
 - prefill: uncached prompts of random token ids (a fresh `cache_salt` each), `max_tokens: 1`,
   at several lengths, `--repeats` times each in round-robin order; time to the answer;
-- decode: `b` concurrent streams of a short prompt for each batch size, the median gap
-  between their tokens once all run.
+- decode: `b` concurrent streams of a short prompt for each batch size, the median time
+  per output token after the first (ignoring EOS, so every stream is as long).
 
 The prefill samples are fitted as the gateway fits them (overhead + scale x the base
 profile's prefill shape); the decode step by least squares on the batch size. The
@@ -63,10 +63,10 @@ async def _prefill(s: aiohttp.ClientSession, url: str, model: str, n: int, rng: 
     return time.monotonic() - t0
 
 
-async def _stream_gaps(s: aiohttp.ClientSession, url: str, model: str, rng: random.Random) -> list[float]:
+async def _stream_tpot(s: aiohttp.ClientSession, url: str, model: str, rng: random.Random) -> float | None:
     ids = [rng.randrange(16, 8000) for _ in range(16)]
-    body = {"model": model, "prompt": ids, "max_tokens": DECODE_TOKENS, "min_tokens": DECODE_TOKENS,
-            "temperature": 0.0, "stream": True, "ignore_eos": True, "cache_salt": secrets.token_hex(8)}
+    body = {"model": model, "prompt": ids, "max_tokens": DECODE_TOKENS, "temperature": 0.0, "stream": True,
+            "ignore_eos": True, "cache_salt": secrets.token_hex(8)}
     times: list[float] = []
     async with s.post(url + "/v1/completions", data=msgspec.json.encode(body),
                       headers={"content-type": "application/json"}) as r:
@@ -75,7 +75,8 @@ async def _stream_gaps(s: aiohttp.ClientSession, url: str, model: str, rng: rand
         async for line in r.content:
             if line.startswith(b"data:") and b"[DONE]" not in line:
                 times.append(time.monotonic())
-    return [b - a for a, b in zip(times[2:], times[3:], strict=False)]  # steady state: past the first tokens
+    # Time per output token after the first: a server may send several tokens in one event.
+    return (times[-1] - times[0]) / (DECODE_TOKENS - 1) if len(times) >= 2 else None
 
 
 async def measure(url: str, model: str, base: CostParams, lengths: tuple[int, ...] = DEFAULT_LENGTHS,
@@ -91,10 +92,10 @@ async def measure(url: str, model: str, base: CostParams, lengths: tuple[int, ..
                 samples.append(Sample(n, 0, 0, await _prefill(s, url, model, n, rng)))
         steps: dict[int, float] = {}
         for b in DECODE_BATCHES:
-            gaps = await asyncio.gather(*(_stream_gaps(s, url, model, rng) for _ in range(b)))
-            flat = [g for gs in gaps for g in gs]
-            if flat:
-                steps[b] = statistics.median(flat)
+            tpots = [t for t in await asyncio.gather(*(_stream_tpot(s, url, model, rng) for _ in range(b)))
+                     if t is not None]
+            if tpots:
+                steps[b] = statistics.median(tpots)
     fit = fit_samples(base, samples)
     d_base, d_seq = _line(steps)
     return Measured(fit.overhead_s, base.prefill_tokens_per_s / fit.scale, base.prefill_attn_s_per_token2 * fit.scale,
