@@ -111,14 +111,16 @@ class Observer:
 
     @staticmethod
     def _speed_sample(a: Attempt, res: Result) -> None:
-        """A request that found nothing ahead of it and loaded nothing from below GPU
-        measures its worker's speed (router/planner/speedfit.py)."""
+        """A request that loaded nothing from below GPU measures its worker's speed, and with
+        the queue predicted for it, how the worker's real wait follows that prediction
+        (router/planner/speedfit.py)."""
         t = a.rec.ticket
-        if not t.clean or t.ready_at is not None or res.cached_tokens is None or res.t_first is None:
+        if t.ready_at is not None or res.cached_tokens is None or res.t_first is None:
             return
         n = res.prompt_tokens or len(a.prep.ids)
+        queue = 0.0 if t.clean else t.queue_s
         a.worker.fleet.speed_sample(Sample(n - res.cached_tokens, res.cached_tokens, t.running,
-                                           res.t_first - a.t_dispatch))
+                                           res.t_first - a.t_dispatch, queue))
 
     def _prefetch_outcome(self, pf: Prefetch, w: Worker, kv: dict[str, Any] | None) -> None:
         m = self.metrics

@@ -83,3 +83,26 @@ def test_bad_samples_are_ignored() -> None:
     for s in (Sample(0, 0, 0, 0.1), Sample(10, 0, 0, 0.0), Sample(10, 0, 0, float("nan"))):
         sf.add(s)
     assert sf.total == 0
+
+
+def test_queue_scale_measures_how_the_real_wait_follows_the_predicted_queue() -> None:
+    rng = random.Random(3)
+    samples = []
+    for _ in range(60):
+        n, q = rng.randint(32, 512), (rng.random() * 0.3 if rng.random() < 0.5 else 0.0)
+        samples.append(Sample(n, 0, 0, (_engine(n, 0) + 2.5 * q) * rng.uniform(0.97, 1.03), q))
+    fit = fit_samples(_base(), samples)
+    assert fit.queue_scale == pytest.approx(2.5, rel=0.1)
+    assert 10_000.0 / fit.scale == pytest.approx(1100.0, rel=0.1)
+    live = _base()
+    sf = SpeedFit(_base())
+    for s in samples:
+        sf.add(s)
+    sf.apply(live)
+    assert live.queue_scale == pytest.approx(2.5, rel=0.1)
+
+
+def test_few_queued_samples_leave_the_queue_as_predicted() -> None:
+    samples = [Sample(n, 0, 0, _engine(n, 0)) for n in (64, 128, 256, 512, 384, 192)]
+    samples.append(Sample(64, 0, 0, 9.0, 0.1))  # one stray queued request
+    assert fit_samples(_base(), samples).queue_scale == 1.0

@@ -147,6 +147,8 @@ class FleetWorker:
         t = led.dispatched(now, prefill_tokens, kv_tokens, est, busy=busy)
         t.clean = waiting == 0 and v.waiting_requests == 0
         t.running = len(led.live) - 1 - waiting
+        if est is not None and est.eligible and v.cost.queue_scale > 0.0:
+            t.queue_s = est.t_queue / v.cost.queue_scale
         led.fill_counts(self.view)
         return t
 

@@ -44,6 +44,7 @@ class Ticket:
     # TTFT measures the worker's own speed (speedfit.py); `running`: those decoding then.
     clean: bool = False
     running: int = 0
+    queue_s: float = 0.0  # the model's queue for it at dispatch, before the worker's queue_scale
     # Ends the request's upstream connection (set by the gateway's relay; the worker died)
     abort: Callable[[], None] | None = None
 

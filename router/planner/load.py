@@ -36,8 +36,14 @@ def report_queue_seconds(w: WorkerView, cost: CostParams, scale: float = 1.0) ->
 
 
 def queue_seconds(w: WorkerView, cost: CostParams | None = None, scale: float = 1.0, exact: bool = False) -> float:
-    """Predicted wait before `w` starts a request sent now (the module doc's formula)."""
+    """Predicted wait before `w` starts a request sent now (the module doc's formula), times
+    the worker's measured `queue_scale` (speedfit.py: how its real wait follows this one)."""
     c = cost or w.cost
+    q = _queue_seconds(w, c, scale, exact)
+    return q * c.queue_scale if q > 0.0 else q
+
+
+def _queue_seconds(w: WorkerView, c: CostParams, scale: float, exact: bool) -> float:
     report = w.est_queue_s
     if report <= 0.0:
         report = report_queue_seconds(w, c, scale)

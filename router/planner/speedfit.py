@@ -1,21 +1,26 @@
 """A worker's speeds, fitted from what its own requests show (docs/planner.md, "Knowing the worker").
 
-A request dispatched to a worker with no other prefill ahead of it (a probe at join, or a
-request that found the worker's queue empty) measures that worker directly: its time to
-first token is the fixed per-request overhead, the prefill of its new tokens given the
-cached ones, and what each request decoding there meanwhile adds (its share of the step,
-and on an engine whose server shares its cores, the streaming work for it):
+Every request that loaded nothing from below GPU (a probe at join, or one sent while
+serving) measures its worker: its time to first token is the fixed per-request overhead,
+the prefill of its new tokens given the cached ones, what each request decoding there
+meanwhile adds (its share of the step, and on an engine whose server shares its cores,
+the streaming work for it), and the wait for what was ahead of it, which the model
+predicted as `queue`:
 
-    ttft = overhead + scale * shape(new, cached) + ride * running
+    ttft = overhead + scale * shape(new, cached) + ride * running + queue_scale * queue
 
 `shape` is the cost model's prefill formula for the worker's starting coefficients, so a
-fit keeps their form (linear + attention) and measures the three numbers that differ most
-between engines. Each sample weighs by its relative error (a 50 ms and a 500 ms request
-count alike) and the fit is a Huber IRLS over a sliding window: one stalled request moves
-nothing, a slower engine moves everything. No bound limits what a fit may find.
+fit keeps their form (linear + attention) and measures the numbers that differ most
+between engines; `queue_scale` says how the worker's real wait follows the model's queue
+(an engine that interleaves queued prefills with decodes, or shares its cores, waits
+longer than the sum of the prefills ahead). Each sample weighs by its relative error (a
+50 ms and a 500 ms request count alike) and the fit is a Huber IRLS over a sliding window:
+one stalled request moves nothing, a slower engine moves everything. No bound limits what
+a fit may find; a term with too few samples to tell it apart stays out.
 
 State: `probing` (too few samples to trust), `fitted`, `drifting` (the latest samples sit
-off the fit: the window is moving to a new speed). Pure: the gateway and the simulator feed it.
+off the fit: the window is moving to a new speed). Pure: the gateway and the simulator
+feed it.
 """
 from __future__ import annotations
 
@@ -50,6 +55,7 @@ class Sample:
     cached_tokens: int
     running: int  # requests decoding on the worker when this one started
     ttft_s: float  # from dispatch to first token
+    queue_s: float = 0.0  # the model's predicted queue for it (0: nothing was ahead)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,10 +65,11 @@ class Fit:
     ride_s: float  # added per request decoding on the worker meanwhile
     rel_spread: float  # robust spread of the relative residuals (1.4826 x MAD)
     samples: int
+    queue_scale: float = 1.0  # real wait per second of predicted queue
 
-    def ttft(self, base: CostParams, new: int, cached: int, running: int) -> float:
+    def ttft(self, base: CostParams, new: int, cached: int, running: int, queue_s: float = 0.0) -> float:
         shape = prefill_seconds(base, new, cached) - base.prefill_overhead_s
-        return self.overhead_s + self.scale * shape + self.ride_s * running
+        return self.overhead_s + self.scale * shape + self.ride_s * running + self.queue_scale * queue_s
 
 
 class SpeedFit:
@@ -130,6 +137,7 @@ class SpeedFit:
         if "prefill_overhead_s" not in pinned:
             cost.prefill_overhead_s = fit.overhead_s
         cost.ride_per_running_s = fit.ride_s
+        cost.queue_scale = fit.queue_scale
 
     def summary(self) -> dict[str, object]:
         fit = self.fit
@@ -139,35 +147,38 @@ class SpeedFit:
             b = self.base
             out.update(overhead_ms=round(fit.overhead_s * 1e3, 3),
                        prefill_tokens_per_s=round(b.prefill_tokens_per_s / fit.scale, 1),
-                       ride_per_running_ms=round(fit.ride_s * 1e3, 3), rel_spread=round(fit.rel_spread, 4))
+                       ride_per_running_ms=round(fit.ride_s * 1e3, 3), queue_scale=round(fit.queue_scale, 3),
+                       rel_spread=round(fit.rel_spread, 4))
         return out
 
 
 def _rel_residual(base: CostParams, fit: Fit, s: Sample) -> float:
-    return (s.ttft_s - fit.ttft(base, s.new_tokens, s.cached_tokens, s.running)) / s.ttft_s
+    return (s.ttft_s - fit.ttft(base, s.new_tokens, s.cached_tokens, s.running, s.queue_s)) / s.ttft_s
 
 
 def fit_samples(base: CostParams, samples: list[Sample]) -> Fit:
-    """Huber IRLS of `ttft = a + s*shape + r*running` in relative terms, coefficients
+    """Huber IRLS of `ttft = a + s*shape + r*running + k*queue` in relative terms, coefficients
     kept non-negative by dropping a column that comes out negative (then refitting)."""
     x = np.array([(1.0, prefill_seconds(base, q.new_tokens, q.cached_tokens) - base.prefill_overhead_s,
-                   float(q.running)) for q in samples])
+                   float(q.running), q.queue_s) for q in samples])
     y = np.array([q.ttft_s for q in samples])
-    cols = [0, 1, 2]
-    busy = int(np.count_nonzero(x[:, 2]))
-    if busy < MIN_SAMPLES or len(samples) - busy < MIN_SAMPLES:
-        cols.remove(2)  # too few samples on each side: the ride would fit a stray sample or two
+    cols = [0, 1, 2, 3]
+    for c in (2, 3):
+        some = int(np.count_nonzero(x[:, c]))
+        if some < MIN_SAMPLES or len(samples) - some < MIN_SAMPLES:
+            cols.remove(c)  # too few samples on each side: the term would fit a stray sample or two
     coef = _irls(x, y, cols)
-    for c in (2, 0):
+    for c in (3, 2, 0):
         if c in cols and coef[c] < 0.0:
             cols.remove(c)
             coef = _irls(x, y, cols)
     if coef[1] <= 0.0:  # times that do not grow with the prompt: the scale alone carries them
-        cols = [1] + [c for c in cols if c == 2]
+        cols = [1] + [c for c in cols if c in (2, 3)]
         coef = _irls(x, y, cols)
+    qs = float(coef[3]) if 3 in cols else 1.0
     fit = Fit(max(float(coef[0]), 0.0), float(coef[1]) if coef[1] > 0.0 else 1.0, max(float(coef[2]), 0.0), 0.0,
-              len(samples))
-    pred = fit.overhead_s + fit.scale * x[:, 1] + fit.ride_s * x[:, 2]
+              len(samples), qs)
+    pred = fit.overhead_s + fit.scale * x[:, 1] + fit.ride_s * x[:, 2] + fit.queue_scale * x[:, 3]
     return replace(fit, rel_spread=float(1.4826 * np.median(np.abs((y - pred) / y))))
 
 
@@ -183,6 +194,6 @@ def _irls(x: np.ndarray, y: np.ndarray, cols: list[int]) -> np.ndarray:
         res = np.abs(ys - xs @ sol)
         k = _HUBER_K * max(float(np.median(res)) * 1.4826, 1e-3)
         hw = np.where(res <= k, 1.0, k / np.maximum(res, 1e-12))
-    out = np.zeros(3)
+    out = np.zeros(4)
     out[cols] = sol
     return out

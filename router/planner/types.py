@@ -44,6 +44,9 @@ class CostParams:
     # (speedfit.py): on an engine whose server shares its cores with the running streams,
     # far more than the step's own decode share. 0 = not measured.
     ride_per_running_s: float = 0.0
+    # How the worker's real wait follows the queue this model predicts for it (1 = as
+    # predicted; speedfit.py measures it where requests queue).
+    queue_scale: float = 1.0
     # Load links per tier below GPU (GPU itself costs nothing to "load").
     links: dict[Tier, Link] = field(default_factory=dict)
 
