@@ -117,6 +117,8 @@ class Observer:
         t = a.rec.ticket
         if t.ready_at is not None or res.cached_tokens is None or res.t_first is None:
             return
+        if not t.clean and t.queue_s <= 0.0:
+            return  # something was ahead that the model gave no wait: no term to measure it by
         n = res.prompt_tokens or len(a.prep.ids)
         queue = 0.0 if t.clean else t.queue_s
         a.worker.fleet.speed_sample(Sample(n - res.cached_tokens, res.cached_tokens, t.running,
