@@ -93,7 +93,9 @@ async def test_every_tried_worker_failing_is_a_502_that_says_how_many_were_tried
     bad = [FakeWorker(w, DIGEST, fail_status=500) for w in ("a", "b")]
     async with fleet(bad, _cfg(routing={"policy": "kv_cost", "retries": 0})) as (_gw, url):
         st, body, _ = await _post(url, BODY)
-        assert st == 502 and body["error"]["message"] == "The worker failed before answering; retry the request."
+        # one worker tried: no count, and the worker's own (sanitised) words are relayed
+        assert st == 502 and body["error"]["message"] == \
+            "The worker failed before answering (the worker said: injected 500); retry the request."
         assert sum(len(f.completions) for f in bad) == 1
 
 
