@@ -355,7 +355,7 @@ class TorchEngine:
             batch = keys[i : i + _EXPORT_CHUNK]
             got = await asyncio.to_thread(tiers.export, batch)
             if got:
-                yield b"".join(record_of(k, m, p) for k, m, p in got)
+                yield b"".join(record_of(k, m, p) + tag for k, m, p, tag in got)
             if len(got) < len(batch):
                 return
 
