@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..runner import CASES
-from . import admin, clients, events, faults, fuzz, memory, overload, tenants, timeouts  # noqa: F401
+from . import admin, clients, events, faults, fuzz, huge_prompts, memory, overload, tenants, timeouts  # noqa: F401
 
 ORDER = (
     # 1. bursts
@@ -30,7 +30,7 @@ ORDER = (
     # workers' own surface
     "sim_peer_pull",
     # memory
-    "memory_hostile",
+    "memory_hostile", "huge_prompts",
 )
 
 _missing = [n for n in CASES if n not in ORDER]
