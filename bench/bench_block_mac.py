@@ -39,33 +39,37 @@ def per_call_us(fn: Callable[[], object], calls: int) -> float:
     return statistics.median(lat) * 1e6
 
 
+def measure(mac: BlockMac, size: int, runs: int, calls: int) -> dict[str, float]:
+    """Median over `runs` of the per-call median of each function, on one random block."""
+    scope, key, meta = b"REMOTE\0kvroute-0123456789abcdef01234567:g0:", os.urandom(32), os.urandom(120)
+    bkey = os.urandom(32)
+    payload = os.urandom(size)
+    tag = mac.tag(scope, key, meta, payload)
+    fns: dict[str, Callable[[], object]] = {
+        "crc": lambda: zlib.crc32(payload, zlib.crc32(meta)),
+        "tag": lambda: mac.tag(scope, key, meta, payload),
+        "verify": lambda: mac.verify(scope, key, meta, payload, tag),
+        "blake2b": lambda: hashlib.blake2b(payload, key=bkey, digest_size=32).digest(),
+    }
+    got: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(runs):
+        for k, fn in fns.items():  # interleaved: a noisy neighbour hits every column alike
+            got[k].append(per_call_us(fn, calls))
+    return {k: statistics.median(v) for k, v in got.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--calls", type=int, default=50)
     a = ap.parse_args()
     mac = BlockMac(os.urandom(32).hex())
-    scope, key, meta = b"REMOTE\0kvroute-0123456789abcdef01234567:g0:", os.urandom(32), os.urandom(120)
-    bkey = os.urandom(32)
     print(f"{'block':<15} {'crc32 us':>9} {'MAC tag us':>11} {'verify us':>10} {'blake2b us':>11} "
           f"{'tag/crc':>8} {'MAC GB/s':>9}")
     for name, size in SIZES.items():
-        payload = os.urandom(size)
-        tag = mac.tag(scope, key, meta, payload)
-        fns: dict[str, Callable[[], object]] = {
-            "crc": lambda: zlib.crc32(payload, zlib.crc32(meta)),
-            "tag": lambda: mac.tag(scope, key, meta, payload),
-            "verify": lambda: mac.verify(scope, key, meta, payload, tag),
-            "blake2b": lambda: hashlib.blake2b(payload, key=bkey, digest_size=32).digest(),
-        }
-        runs: dict[str, list[float]] = {k: [] for k in fns}
-        for _ in range(a.runs):
-            for k, fn in fns.items():  # interleaved: a noisy neighbour hits every column alike
-                runs[k].append(per_call_us(fn, a.calls))
-        med = {k: statistics.median(v) for k, v in runs.items()}
+        med = measure(mac, size, a.runs, a.calls)
         print(f"{name:<15} {med['crc']:>9.1f} {med['tag']:>11.1f} {med['verify']:>10.1f} {med['blake2b']:>11.1f} "
               f"{med['tag'] / med['crc']:>7.2f}x {size / med['tag'] / 1e3:>9.2f}")
-
 
 if __name__ == "__main__":
     main()

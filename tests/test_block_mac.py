@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from workers.engine.store.mac import MAC_SIZE, BlockMac, hkdf_sha256
+from workers.engine.store.mac import MAC_SIZE, BlockMac
 from workers.engine.store.record import encode
 from workers.engine.testing import RedisServer, redis_binary
+from workers.fleetkeys import block_mac_key, hkdf_sha256, peer_bearer
 
 SECRET = "fleet-secret-for-tests"
 KEY, OTHER_KEY = bytes(range(32)), bytes(range(1, 33))
@@ -45,6 +46,11 @@ def test_tag_binds_scope_key_meta_payload_and_secret() -> None:
     # the secret is not the MAC key: a tag keyed with the raw token does not verify
     raw = hmac.new(SECRET.encode(), SCOPE + KEY + META + PAYLOAD, hashlib.sha256).digest()
     assert not mac.verify(SCOPE, KEY, META, PAYLOAD, raw)
+    # nor does one keyed with the bearer token peers are shown
+    shown = hmac.new(peer_bearer(SECRET).encode(), SCOPE + KEY + META + PAYLOAD, hashlib.sha256).digest()
+    assert not mac.verify(SCOPE, KEY, META, PAYLOAD, shown)
+    assert len(block_mac_key(SECRET)) == 32
+    assert SECRET not in peer_bearer(SECRET) and peer_bearer(SECRET) != peer_bearer(SECRET + "x")
     with pytest.raises(ValueError):
         BlockMac("")
 

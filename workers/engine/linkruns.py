@@ -17,6 +17,7 @@ import urllib.parse
 from collections.abc import Callable
 
 from kvindex.tiers import Tier
+from workers.fleetkeys import peer_bearer
 
 from .blockio import RECORDS_MEDIA_TYPE, BadMeta, decode_meta, read_records
 from .copier import Copier
@@ -128,7 +129,7 @@ class LinkRuns:
         c = self._copier(Tier.PEER, t)
         marks = [time.perf_counter()]
         try:
-            with PeerStream(t.source, st.cfg.peer_token or "", t.keys, st.cfg.peer_timeout_s) as stream:
+            with PeerStream(t.source, peer_bearer(st.cfg.peer_token or "-"), t.keys, st.cfg.peer_timeout_s) as stream:
                 for j, (key, meta, payload) in enumerate(read_records(stream.read, t.keys, st.mac, st.peer_scope)):
                     if self._stop_early(t):
                         break

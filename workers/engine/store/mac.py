@@ -9,10 +9,11 @@ only when the tag verifies. The scope names the tier and the model namespace (RE
 also the group), and the key is the chained block key (which already binds tenant salt,
 model and position), so a valid block cannot be replayed under another key, namespace,
 group or tenant. The secret is never used raw: HKDF-SHA256 (RFC 5869) with a fixed
-context string gives the MAC key, so the MAC key is independent of any other use of it.
+context string gives the MAC key (workers/fleetkeys.py), independent of the bearer token
+peers present, which is derived with another context.
 
 HMAC-SHA256 rather than keyed BLAKE2b: stdlib both, but SHA-256 runs on the CPU's SHA
-extensions here and is 4-5x faster (bench/bench_block_mac.py, docs/engine-store.md).
+extensions here and is about 2.5x faster (bench/bench_block_mac.py, docs/engine-store.md).
 """
 from __future__ import annotations
 
@@ -20,32 +21,19 @@ import hashlib
 import hmac
 import struct
 
+from workers.fleetkeys import block_mac_key
+
 from .record import RecordError, check_key
 
 MAC_SIZE = 32
-KDF_CONTEXT = b"kvroute/v1 block MAC: REMOTE values and PEER records"
 _LENGTHS = struct.Struct("<III")  # scope, meta and payload lengths: no two inputs frame alike
-
-
-def hkdf_sha256(secret: bytes, info: bytes, length: int = 32) -> bytes:
-    """RFC 5869 HKDF with SHA-256 and an all-zero salt: `length` bytes for `info`."""
-    prk = hmac.digest(b"\0" * 32, secret, "sha256")
-    out, block, i = b"", b"", 0
-    while len(out) < length:
-        i += 1
-        block = hmac.digest(prk, block + info + bytes([i]), "sha256")
-        out += block
-    return out[:length]
 
 
 class BlockMac:
     """Tags and checks blocks under one fleet secret (see the module doc)."""
 
     def __init__(self, secret: str | bytes) -> None:
-        raw = secret.encode() if isinstance(secret, str) else secret
-        if not raw:
-            raise ValueError("the fleet secret is empty")
-        self._key = hkdf_sha256(raw, KDF_CONTEXT)
+        self._key = block_mac_key(secret)
 
     def tag(self, scope: bytes, key: bytes, meta: bytes | memoryview, payload: bytes | memoryview) -> bytes:
         """The 32-byte tag of one block under `scope` (tier and namespace)."""
