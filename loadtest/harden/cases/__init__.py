@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..runner import CASES
-from . import admin, clients, events, faults, fuzz, huge_prompts, memory, overload, tenants, timeouts  # noqa: F401
+from . import admin, clients, events, faults, fuzz, huge_prompts, memory, overload, shared_kv, tenants, timeouts  # noqa: F401
 
 ORDER = (
     # 1. bursts
@@ -28,7 +28,7 @@ ORDER = (
     # fuzzing
     "fuzz_schemathesis", "fuzz_mutation",
     # workers' own surface
-    "sim_peer_pull",
+    "sim_peer_pull", "shared_kv_forged",
     # memory
     "memory_hostile", "huge_prompts",
 )
