@@ -160,6 +160,9 @@ class LimitsConfig(Strict):
     max_stop_sequences: int = Field(default=4, ge=0)
     # Request bodies in flight at once, all requests together (router/budget.py): bounds memory.
     max_inflight_body_bytes: int = Field(default=256 * 1024 * 1024, gt=0)
+    # Bodies of 64 KiB or more, per tenant (router/bodyrate.py): 16 MiB/s is ~4 M prompt tokens
+    # a second, more than a hundred workers prefill; null: no limit.
+    tenant_large_body_bytes_per_s: float | None = Field(default=16 * 1024 * 1024, gt=0)
 
 
 class TraceConfig(Strict):

@@ -26,6 +26,7 @@ from . import admin
 from .admin_policy import LOOPBACK_HOSTS
 from .attempt import Attempt, Out
 from .binding import Binder
+from .bodyrate import BodyRate
 from .budget import ByteBudget
 from .config import Config
 from .discovery import Discovery
@@ -71,6 +72,7 @@ class Gateway:
         self.tokenization = Tokenization()
         self.preparer = Preparer(cfg.limits, self.models, self.tenancy, self.tokenization, self.metrics)
         self.body_budget = ByteBudget(cfg.limits.max_inflight_body_bytes)
+        self.body_rate = BodyRate(cfg.limits.tenant_large_body_bytes_per_s, 2 * cfg.limits.max_body_bytes)
         tr = cfg.observability.trace
         self.recorder = TraceRecorder(tr.path, tr.salt, tr.block_tokens, tr.max_ids) if tr.enabled else None
         self.session: aiohttp.ClientSession | None = None
