@@ -5,7 +5,8 @@ Receiving, joining and screening a body (screen.py) costs the gateway CPU in pro
 to its bytes, on the one event loop every tenant shares: ~30 ms per 8 MB body measured
 (loadtest huge_prompts). Two tenants sending such bodies back to back kept it half busy
 and doubled another tenant's latency. Each tenant has a token bucket of body bytes
-(`limits.tenant_large_body_bytes_per_s`, burst two maximal bodies); a body of
+(`limits.tenant_large_body_bytes_per_s`, burst one maximal body: a burst of
+huge bodies is what stalls the loop); a body of
 `SCREEN_BYTES` or more is charged its declared size (the body limit when undeclared)
 before it is read, and refused with 429 and the time its bucket needs as Retry-After
 when the bucket is short. Smaller bodies are never charged: ordinary traffic is not

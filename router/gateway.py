@@ -72,7 +72,7 @@ class Gateway:
         self.tokenization = Tokenization()
         self.preparer = Preparer(cfg.limits, self.models, self.tenancy, self.tokenization, self.metrics)
         self.body_budget = ByteBudget(cfg.limits.max_inflight_body_bytes)
-        self.body_rate = BodyRate(cfg.limits.tenant_large_body_bytes_per_s, 2 * cfg.limits.max_body_bytes)
+        self.body_rate = BodyRate(cfg.limits.tenant_large_body_bytes_per_s, cfg.limits.max_body_bytes)
         tr = cfg.observability.trace
         self.recorder = TraceRecorder(tr.path, tr.salt, tr.block_tokens, tr.max_ids) if tr.enabled else None
         self.session: aiohttp.ClientSession | None = None
@@ -173,6 +173,7 @@ class Gateway:
         if self.session is not None:
             await self.session.close()
         self.tokenization.close()
+        self.preparer.screener.close()
         if self.recorder is not None:
             self.recorder.close()
 

@@ -30,7 +30,8 @@ from .schema import (
     ours_problem,
     requested_max_tokens,
 )
-from .screen import SCREEN_BYTES, measure
+from .screen import SCREEN_BYTES
+from .screener import Screener
 from .tenancy import Tenancy, Tenant
 from .tokenize import Tokenization, TokenizerError
 
@@ -74,6 +75,7 @@ class Preparer:
         self.tenancy = tenancy
         self.tokenization = tokenization
         self.metrics = metrics
+        self.screener = Screener()  # large bodies measured before they are decoded
         # request ids: unique, not secret; seeded once so a request costs no getrandom syscall
         self._rid_rng = random.Random(os.urandom(16))
 
@@ -84,7 +86,7 @@ class Preparer:
         if tenant is None:
             tenant = self.tenancy.authenticate(headers)
         if len(body) >= SCREEN_BYTES:
-            self._screen(chat, body)
+            await self._screen(chat, body)
         raw, req, model, prompt = self._decode(chat, body)
         self._check_chars(chat, model, prompt)
         ids = await self._tokenize(chat, model, prompt, req, tenant.id)
@@ -119,10 +121,10 @@ class Preparer:
             raise model_not_found(req.model)
         return raw, req, model, check_completion(req, model.tokenizer.vocab_size)
 
-    def _screen(self, chat: bool, body: bytes) -> None:
+    async def _screen(self, chat: bool, body: bytes) -> None:
         """A large body's prompt refused for length before the body is decoded (screen.py):
         the same 400s as the checks after decoding, without building what they refuse."""
-        size = measure(body, chat)
+        size = await self.screener.measure(body, chat)
         model = self.models.get(size.model) if size is not None else None
         if size is None or model is None:
             return

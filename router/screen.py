@@ -52,28 +52,36 @@ def measure(body: bytes, chat: bool) -> PromptSize | None:
         b = _body_dec.decode(body)
         model = _str_dec.decode(b.model)
         if chat:
-            return _chat(model, bytes(b.messages))
-        return _completion(model, bytes(b.prompt))
+            return _chat(model, b.messages)
+        return _completion(model, b.prompt)
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None  # not JSON, or not of the usual shape: the full decode says why
 
 
-def _chat(model: str, raw: bytes) -> PromptSize | None:
-    if not raw.startswith(b"["):
+def _first(raw: msgspec.Raw) -> bytes:
+    """The first byte of a raw JSON value (it starts at its first character), without a copy."""
+    return bytes(memoryview(raw)[:1])
+
+
+def _chat(model: str, raw: msgspec.Raw) -> PromptSize | None:
+    if _first(raw) != b"[":
         return None
     msgs = _msgs_dec.decode(raw)
     chars = 0
     for m in msgs:
-        c = bytes(m.content)
-        if c.startswith(b'"'):
-            chars += len(_str_dec.decode(c))
+        if _first(m.content) == b'"':
+            chars += len(_str_dec.decode(m.content))
     return PromptSize(model, chars=chars, messages=len(msgs))
 
 
-def _completion(model: str, raw: bytes) -> PromptSize | None:
-    if raw.startswith(b'"'):
+def _completion(model: str, raw: msgspec.Raw) -> PromptSize | None:
+    first = _first(raw)
+    if first == b'"':
         return PromptSize(model, chars=len(_str_dec.decode(raw)))
-    if raw.startswith(b"[") and raw.count(b"[") == 1 and b'"' not in raw:
-        commas = raw.count(b",")  # a flat array of numbers: nothing else holds a comma
+    if first != b"[":
+        return None
+    flat = bytes(raw)  # bytes.count runs in C; a copy of the prompt alone
+    if flat.count(b"[") == 1 and b'"' not in flat:
+        commas = flat.count(b",")  # a flat array of numbers: nothing else holds a comma
         return PromptSize(model, ids=commas + 1) if commas else None
     return None

@@ -39,13 +39,13 @@ async def _post(s: aiohttp.ClientSession, url: str, key: str, body: bytes) -> tu
 async def test_a_tenant_over_its_large_body_rate_is_refused_with_retry_after() -> None:
     ka, kb = "sk-tenant-a-123456", "sk-tenant-b-123456"
     cfg = _cfg(tenants=[{"id": "a", "api_keys": [ka]}, {"id": "b", "api_keys": [kb]}],
-               limits={"max_body_bytes": 4 * SCREEN_BYTES, "tenant_large_body_bytes_per_s": 1000.0})
-    big = _body(2 * SCREEN_BYTES - 200)  # the burst is two maximal bodies: four of these
+               limits={"max_body_bytes": 5 * SCREEN_BYTES, "tenant_large_body_bytes_per_s": 1000.0})
+    big = _body(SCREEN_BYTES)  # the burst is one maximal body: four of these
     async with fleet([FakeWorker("w", DIGEST)], cfg) as (_, url):
         async with aiohttp.ClientSession() as s:
             got = [await _post(s, url, ka, big) for _ in range(5)]
             assert [g[0] for g in got] == [200] * 4 + [429]
             status, err, headers = got[-1]
-            assert err["error"]["code"] == "body_rate_exceeded" and int(headers["Retry-After"]) >= 100
+            assert err["error"]["code"] == "body_rate_exceeded" and int(headers["Retry-After"]) >= 1
             assert (await _post(s, url, ka, _body(100)))[0] == 200  # small bodies are not charged
             assert (await _post(s, url, kb, big))[0] == 200  # nor is another tenant

@@ -107,3 +107,23 @@ async def test_a_large_body_whose_prompt_fits_is_served(decodes: list[int]) -> N
                 async with s.post(url + path, data=body, headers={"Content-Type": "application/json"}) as r:
                     assert r.status == 200, await r.text()
     assert len(decodes) == len(bodies)
+
+
+async def test_the_helper_process_measures_as_inline_and_is_replaced_when_it_dies() -> None:
+    import os
+    import signal
+
+    from router.screener import Screener
+
+    s = Screener(offload_bytes=0)
+    try:
+        for path, body in _huge():
+            assert await s.measure(body, "chat" in path) == measure(body, "chat" in path)
+        [pid] = s.helper_pids
+        os.kill(pid, signal.SIGKILL)
+        path, body = _huge()[0]
+        assert await s.measure(body, False) == measure(body, False)  # measured here meanwhile
+        assert await s.measure(body, False) == measure(body, False)
+        assert s.helper_pids and s.helper_pids != [pid]
+    finally:
+        s.close()

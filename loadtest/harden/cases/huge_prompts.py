@@ -3,13 +3,15 @@ bounded and the third tenant does not notice.
 
 Phase 1 measures tenant C alone (its latency p99 and one 100 KB prompt); phase 2 repeats
 the same traffic while tenants A and B each keep one huge body in flight (chat text,
-completion text, completion token ids and a chat of many messages, in turn). The
+completion text, completion token ids and a chat of many messages, in turn), waiting out
+the Retry-After of a 429 as the OpenAI SDK does. The
 gateway's RSS is sampled every 0.1 s over phase 2 and 3 s after it.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import statistics
 import time
@@ -54,6 +56,16 @@ async def _fleet(ctx: Ctx) -> tuple[GatewayProc, list[dict[str, str]]]:
     return gw, [{"Authorization": f"Bearer {k}"} for k in keys]
 
 
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux /proc; 0 elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 def _p99(xs: list[float]) -> float:
     return statistics.quantiles(xs, n=100)[98] if len(xs) >= 2 else (xs[0] if xs else 0.0)
 
@@ -84,13 +96,19 @@ async def huge_prompts(ctx: Ctx) -> None:
                            spec=Spec(ok_statuses=(200, 400, 413)), label="tenant-c-100KB")
         return o.elapsed
 
+    statuses: dict[int, int] = {}
+
     async def noisy(h: dict[str, str], until: float, first: int) -> int:
+        """Huge bodies back to back, waiting out a 429's Retry-After as SDK clients do."""
         i = first
         while time.monotonic() < until:
             path, body = encoded[i % len(encoded)]
             i += 1
-            await ctx.call(gw, "POST", path, body, headers=h, timeout=30.0, spec=Spec(ok_statuses=(200, 400, 413, 429)),
-                           label=f"huge-{i % len(encoded)}")
+            o = await ctx.call(gw, "POST", path, body, headers=h, timeout=30.0,
+                               spec=Spec(ok_statuses=(200, 400, 413, 429)), label=f"huge-{i % len(encoded)}")
+            statuses[o.status or 0] = statuses.get(o.status or 0, 0) + 1
+            if o.status == 429:
+                await asyncio.sleep(min(float(o.headers.get("retry-after", "1")), max(0.0, until - time.monotonic())))
         return i - first
 
     async def phase(with_noise: bool) -> tuple[list[float], float, int]:
@@ -102,9 +120,12 @@ async def huge_prompts(ctx: Ctx) -> None:
         got = await asyncio.gather(*jobs)
         return lat, got[2], sum(got[3:])
 
+    cpu0 = _cpu_s(gw.pid)
     base, base_100k, _ = await phase(False)
     ctx.sampler.reset(gw.pid)
+    cpu1 = _cpu_s(gw.pid)
     loud, loud_100k, n_huge = await phase(True)
+    cpu2 = _cpu_s(gw.pid)
     peak = ctx.sampler.mib(gw.pid).get("max", 0.0)
     await asyncio.sleep(3.0)
     ctx.sampler.sample_now(gw.pid)
@@ -113,8 +134,12 @@ async def huge_prompts(ctx: Ctx) -> None:
     p_base, p_loud = _p99(base), _p99(loud)
     ctx.note(f"tenant C alone: {len(base)} requests, p50 {statistics.median(base) * 1e3:.0f} ms, "
              f"p99 {p_base * 1e3:.0f} ms; 100 KB prompt {base_100k:.2f} s")
+    ctx.note("huge prompts answered: " + ", ".join(f"{n} x {s}" for s, n in sorted(statuses.items())))
     ctx.note(f"with {n_huge} huge prompts: {len(loud)} requests, p50 {statistics.median(loud) * 1e3:.0f} ms, "
              f"p99 {p_loud * 1e3:.0f} ms; 100 KB prompt {loud_100k:.2f} s")
+    ctx.note(f"gateway CPU: {cpu1 - cpu0:.1f} s alone, {cpu2 - cpu1:.1f} s with the huge prompts "
+             f"({(cpu2 - cpu1 - (cpu1 - cpu0) * len(loud) / max(1, len(base))) / max(1, n_huge) * 1e3:.0f} ms "
+             "per huge prompt beyond tenant C's share)")
     ctx.note(f"gateway RSS: start {mib.get('start', 0):.0f} MiB, peak {peak:.0f} MiB, "
              f"3 s after {mib.get('end', 0):.0f} MiB")
     ctx.check(f"gateway RSS peak at most {PEAK_MIB} MiB", peak <= PEAK_MIB, f"{peak:.0f} MiB")
