@@ -75,6 +75,7 @@ class CompletionRoute:
                 await self._with_body(scope, receive, out, headers, tenant)
             finally:
                 gw.body_budget.give(size)
+                gw.memtrim.after_body(size)
         finally:
             gw.tenancy.release(tenant)
 

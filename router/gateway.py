@@ -35,6 +35,7 @@ from .fidelity import KeyFidelity
 from .fleetconfig import WorkerConfig
 from .ingest_adapter import PoolIngest
 from .membership import Membership
+from .memtrim import MemoryTrim
 from .metrics import GatewayMetrics
 from .model import ModelRuntime, ModelTable
 from .observe import Observer, access
@@ -72,6 +73,7 @@ class Gateway:
         self.tokenization = Tokenization()
         self.preparer = Preparer(cfg.limits, self.models, self.tenancy, self.tokenization, self.metrics)
         self.body_budget = ByteBudget(cfg.limits.max_inflight_body_bytes)
+        self.memtrim = MemoryTrim()  # a huge request's freed memory back to the system
         self.body_rate = BodyRate(cfg.limits.tenant_large_body_bytes_per_s, cfg.limits.max_body_bytes)
         tr = cfg.observability.trace
         self.recorder = TraceRecorder(tr.path, tr.salt, tr.block_tokens, tr.max_ids) if tr.enabled else None
