@@ -54,8 +54,8 @@ def measure(body: bytes, chat: bool) -> PromptSize | None:
         if chat:
             return _chat(model, b.messages)
         return _completion(model, b.prompt)
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return None  # not JSON, or not of the usual shape: the full decode says why
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return None  # not JSON, nested too deep, or not of the usual shape: the full decode says why
 
 
 def _first(raw: msgspec.Raw) -> bytes:

@@ -39,6 +39,8 @@ def test_measure_reads_the_prompt_from_raw_json() -> None:
     assert measure(b'{"model": "m", "prompt": [1,2', False) is None
     assert measure(_enc({"model": 3, "prompt": "x"}), False) is None
     assert measure(_enc({"model": "m", "messages": "x"}), True) is None
+    deep = b'{"model": "m", "prompt": "x", "extra": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    assert measure(deep, False) is None and measure(b"[" * 100_000, True) is None  # nested too deep: a 400 later
 
 
 @pytest.fixture
