@@ -66,6 +66,23 @@ def _cpu_s(pid: int) -> float:
         return 0.0
 
 
+def _children_peak_mib(pid: int) -> float:
+    """Peak RSS (VmHWM) of a process's children together: the gateway's screen helper."""
+    total = 0.0
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            kids = [int(k) for k in f.read().split()]
+    except (OSError, ValueError):
+        return 0.0
+    for k in kids:
+        try:
+            with open(f"/proc/{k}/status") as f:
+                total += next((int(ln.split()[1]) for ln in f if ln.startswith("VmHWM:")), 0) / 1024
+        except (OSError, ValueError):
+            pass
+    return total
+
+
 def _p99(xs: list[float]) -> float:
     return statistics.quantiles(xs, n=100)[98] if len(xs) >= 2 else (xs[0] if xs else 0.0)
 
@@ -141,7 +158,8 @@ async def huge_prompts(ctx: Ctx) -> None:
              f"({(cpu2 - cpu1 - (cpu1 - cpu0) * len(loud) / max(1, len(base))) / max(1, n_huge) * 1e3:.0f} ms "
              "per huge prompt beyond tenant C's share)")
     ctx.note(f"gateway RSS: start {mib.get('start', 0):.0f} MiB, peak {peak:.0f} MiB, "
-             f"3 s after {mib.get('end', 0):.0f} MiB")
+             f"3 s after {mib.get('end', 0):.0f} MiB; its child processes' peak {_children_peak_mib(gw.pid):.0f} MiB")
     ctx.check(f"gateway RSS peak at most {PEAK_MIB} MiB", peak <= PEAK_MIB, f"{peak:.0f} MiB")
-    ctx.check(f"tenant C's p99 within {P99_RATIO:.1f}x of its p99 alone", p_loud <= P99_RATIO * p_base + P99_SLACK_S,
-              f"{p_loud * 1e3:.0f} ms vs {p_base * 1e3:.0f} ms")
+    if not ctx.small:  # a small run's few hundred requests make a p99 of noise on a shared machine
+        ctx.check(f"tenant C's p99 within {P99_RATIO:.1f}x of its p99 alone",
+                  p_loud <= P99_RATIO * p_base + P99_SLACK_S, f"{p_loud * 1e3:.0f} ms vs {p_base * 1e3:.0f} ms")
