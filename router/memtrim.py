@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import ctypes.util
 import time
 from collections.abc import Callable
 from typing import Any
@@ -20,9 +19,10 @@ TRIM_AFTER_BYTES = 1024 * 1024
 
 
 def _malloc_trim() -> Callable[[int], Any] | None:
-    name = ctypes.util.find_library("c")
+    """glibc's malloc_trim from the symbols already loaded (no `find_library`: it runs
+    ldconfig, a subprocess at every gateway start)."""
     try:
-        fn = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+        fn = getattr(ctypes.CDLL(None), "malloc_trim", None)
     except OSError:
         return None
     return fn
