@@ -126,6 +126,21 @@ async def test_the_helper_process_measures_as_inline_and_is_replaced_when_it_die
         path, body = _huge()[0]
         assert await s.measure(body, False) == measure(body, False)  # measured here meanwhile
         assert await s.measure(body, False) == measure(body, False)
-        assert s.helper_pids and s.helper_pids != [pid]
+        assert s.helper_pids and s.helper_pids != [pid] and not s.inline_only
     finally:
         s.close()
+
+
+async def test_a_helper_that_cannot_start_means_inline_screening_not_an_error(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    import router.screener
+
+    monkeypatch.setattr(sys, "executable", "/nonexistent/python")
+    s = router.screener.Screener(offload_bytes=0)
+    for _ in range(4):
+        for path, body in _huge()[:2]:
+            assert await s.measure(body, "chat" in path) == measure(body, "chat" in path)
+    assert s.inline_only and s.helper_pids == []
+    s.close()
