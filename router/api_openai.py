@@ -25,6 +25,7 @@ from .gateway import Gateway
 from .model import ModelRuntime
 from .responses import SSE_DONE, sse_error
 from .screen import SCREEN_BYTES
+from .screener import OFFLOAD_BYTES
 from .tokenize import TokenizerError
 
 log = logging.getLogger("kvroute.api")
@@ -89,6 +90,8 @@ class CompletionRoute:
         size = int(declared) if known and declared is not None else limit
         if known:
             self._charge(tenant, size, unread=True)
+        if size >= OFFLOAD_BYTES:
+            gw.preparer.screener.warm()  # its screen helper starts while the body arrives
         if not gw.body_budget.try_take(size):
             gw.metrics.child(gw.metrics.shed, "body_budget").inc()
             e = rate_limited("The gateway is busy with other large requests; retry shortly.", 1.0, "gateway_busy")

@@ -175,7 +175,7 @@ class Gateway:
         if self.session is not None:
             await self.session.close()
         self.tokenization.close()
-        self.preparer.screener.close()
+        await self.preparer.screener.aclose()
         if self.recorder is not None:
             self.recorder.close()
 

@@ -5,7 +5,8 @@ body, during which the event loop serves no one (a thread would hold the GIL as 
 Bodies of `OFFLOAD_BYTES` or more are measured by one helper process instead
 (`python -m router.screenhelper`, which imports only `router.screen`): the loop writes the
 bytes to its stdin and reads a few numbers back. Smaller bodies are measured inline
-(under a millisecond). The helper is started on first use, measures one body at a time
+(under a millisecond). The helper is started when the first body of that size is announced (its
+Content-Length), in the background while the body arrives; it measures one body at a time
 (large bodies queue for it, held by the gateway's body budget), and is killed and
 replaced when it fails or takes longer than `timeout_s`, that body being measured inline;
 after three failures in a row every body is measured inline, with one warning.
@@ -28,7 +29,7 @@ log = logging.getLogger("kvroute.gateway")
 
 
 class Screener:
-    """See the module doc. One per gateway, event-loop only; `close` stops the helper."""
+    """See the module doc. One per gateway, event-loop only; `aclose` stops the helper."""
 
     def __init__(self, offload_bytes: int = OFFLOAD_BYTES, timeout_s: float = 10.0) -> None:
         self.offload_bytes = offload_bytes
@@ -37,6 +38,23 @@ class Screener:
         self._proc: asyncio.subprocess.Process | None = None
         self._lock = asyncio.Lock()
         self._failures = 0
+        self._warming: asyncio.Future[None] | None = None
+
+    def warm(self) -> None:
+        """A large body is on its way: start the helper now, in the background, so that its
+        start overlaps the body's transfer instead of delaying the body (and everyone else)."""
+        running = self._proc is not None and self._proc.returncode is None
+        if not (self.inline_only or running or self._warming is not None):
+            self._warming = asyncio.ensure_future(self._start())
+
+    async def _start(self) -> None:
+        try:
+            async with self._lock:
+                await self._helper()
+        except OSError as e:
+            self._failed(e)
+        finally:
+            self._warming = None
 
     async def measure(self, body: bytes, chat: bool) -> PromptSize | None:
         if len(body) < self.offload_bytes or self.inline_only:
@@ -88,5 +106,14 @@ class Screener:
             self._proc.kill()
         self._proc = None
 
-    def close(self) -> None:
+    async def aclose(self) -> None:
+        """Stop the helper and wait for it (its pipes closed while the loop still runs)."""
+        proc = self._proc
+        if self._warming is not None:
+            self._warming.cancel()
         self._kill()
+        if proc is not None:
+            try:
+                await asyncio.wait_for(proc.wait(), 5.0)
+            except TimeoutError:
+                pass

@@ -128,7 +128,7 @@ async def test_the_helper_process_measures_as_inline_and_is_replaced_when_it_die
         assert await s.measure(body, False) == measure(body, False)
         assert s.helper_pids and s.helper_pids != [pid] and not s.inline_only
     finally:
-        s.close()
+        await s.aclose()
 
 
 async def test_a_helper_that_cannot_start_means_inline_screening_not_an_error(
@@ -143,4 +143,24 @@ async def test_a_helper_that_cannot_start_means_inline_screening_not_an_error(
         for path, body in _huge()[:2]:
             assert await s.measure(body, "chat" in path) == measure(body, "chat" in path)
     assert s.inline_only and s.helper_pids == []
-    s.close()
+    await s.aclose()
+
+
+async def test_warm_starts_the_helper_in_the_background_once() -> None:
+    import asyncio
+
+    from router.screener import Screener
+
+    s = Screener(offload_bytes=0)
+    try:
+        s.warm()
+        s.warm()  # one start, not two
+        for _ in range(200):
+            if s.helper_pids:
+                break
+            await asyncio.sleep(0.05)
+        [pid] = s.helper_pids
+        path, body = _huge()[1]
+        assert await s.measure(body, False) == measure(body, False) and s.helper_pids == [pid]
+    finally:
+        await s.aclose()
