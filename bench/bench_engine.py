@@ -98,6 +98,7 @@ def main() -> None:
         remote_cfg = RedisConfig(port=redis.port, group="bench", timeout_s=2.0)
 
     def core(**tiers: Any) -> EngineCore:
+        tiers.setdefault("peer_token", TOKEN)  # the fleet secret: REMOTE blocks carry a MAC keyed with it
         cfg = TierConfig(cpu_bytes=need * bb, **tiers)
         return EngineCore(lm, EngineConfig(num_blocks=need, max_num_batched_tokens=a.budget, max_num_seqs=1,
                                            tiers=cfg))

@@ -21,6 +21,8 @@ from .errors import ApiError, bad_request, internal, model_not_found, rate_limit
 from .gateway import Gateway
 from .model import ModelRuntime
 from .responses import SSE_DONE, sse_error
+from .screen import SCREEN_BYTES
+from .screener import OFFLOAD_BYTES
 from .tokenize import TokenizerError
 
 log = logging.getLogger("kvroute.api")
@@ -77,20 +79,27 @@ class CompletionRoute:
             e.headers.setdefault("connection", "close")
             raise
         try:
-            size = self._reserve(headers)
+            size = self._reserve(headers, tenant.id)
             try:
                 await self._with_body(scope, receive, out, headers, tenant)
             finally:
                 gw.body_budget.give(size)
+                gw.memtrim.after_body(size)
         finally:
             gw.tenancy.release(tenant)
 
-    def _reserve(self, headers: dict[str, str]) -> int:
-        """Reserve the body's declared size (the limit when undeclared) in the gateway's budget."""
+    def _reserve(self, headers: dict[str, str], tenant: str) -> int:
+        """Reserve the body's declared size (the limit when undeclared) in the gateway's budget,
+        after charging a large declared one to the tenant's body rate (bodyrate.py)."""
         gw = self.gw
         limit = gw.cfg.limits.max_body_bytes
         declared = headers.get("content-length")
-        size = int(declared) if declared is not None and declared.isdigit() and int(declared) <= limit else limit
+        known = declared is not None and declared.isdigit() and int(declared) <= limit
+        size = int(declared) if known and declared is not None else limit
+        if known:
+            self._charge(tenant, size, unread=True)
+        if size >= OFFLOAD_BYTES:
+            gw.preparer.screener.warm()  # its screen helper starts while the body arrives
         if not gw.body_budget.try_take(size):
             gw.metrics.child(gw.metrics.shed, "body_budget").inc()
             e = rate_limited("The gateway is busy with other large requests; retry shortly.", 1.0, "gateway_busy")
@@ -98,10 +107,24 @@ class CompletionRoute:
             raise e
         return size
 
+    def _charge(self, tenant: str, size: int, *, unread: bool) -> None:
+        """A large body against the tenant's body rate: 429 + Retry-After when over it."""
+        gw = self.gw
+        wait = gw.body_rate.take(tenant, size) if size >= SCREEN_BYTES else 0.0
+        if wait > 0:
+            gw.metrics.child(gw.metrics.shed, "tenant_body_rate").inc()
+            e = rate_limited("You are sending large request bodies faster than this gateway accepts them from one "
+                             "client; retry after the time given.", wait, "body_rate_exceeded")
+            if unread:
+                e.headers["connection"] = "close"  # the body stays unread
+            raise e
+
     async def _with_body(self, scope: Scope, receive: Receive, out: AsgiOut, headers: dict[str, str],
                          tenant: Any) -> None:
         gw = self.gw
         body = await read_body(receive, gw.cfg.limits.max_body_bytes, headers.get("content-length"))
+        if headers.get("content-length") is None:  # chunked: charged what came, before any decoding
+            self._charge(tenant.id, len(body), unread=False)
         # Completions may run for minutes: from now on, watch for the client leaving.
         me = asyncio.current_task()
         assert me is not None

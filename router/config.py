@@ -170,6 +170,9 @@ class LimitsConfig(Strict):
     max_inflight_body_bytes: int = Field(default=256 * 1024 * 1024, gt=0)
     # An embeddings answer the gateway relays (held whole, counted in the budget above).
     max_embeddings_answer_bytes: int = Field(default=64 * 1024 * 1024, gt=0)
+    # Bodies of 64 KiB or more, per tenant (router/bodyrate.py): 16 MiB/s is ~4 M prompt tokens
+    # a second, more than a hundred workers prefill; null: no limit.
+    tenant_large_body_bytes_per_s: float | None = Field(default=16 * 1024 * 1024, gt=0)
 
 
 class TraceConfig(Strict):

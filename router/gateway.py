@@ -27,6 +27,7 @@ from . import admin, upstream
 from .admin_policy import LOOPBACK_HOSTS, network_policy
 from .attempt import Attempt, Out
 from .binding import Binder
+from .bodyrate import BodyRate
 from .budget import ByteBudget
 from .config import Config
 from .discovery import Discovery
@@ -36,6 +37,7 @@ from .fidelity import KeyFidelity
 from .fleetconfig import WorkerConfig
 from .ingest_adapter import PoolIngest
 from .membership import Membership
+from .memtrim import MemoryTrim
 from .metrics import GatewayMetrics
 from .model import ModelRuntime, ModelTable
 from .netpolicy import PolicyResolver
@@ -76,6 +78,8 @@ class Gateway:
         self.tokenization = Tokenization()
         self.preparer = Preparer(cfg.limits, self.models, self.tenancy, self.tokenization, self.metrics)
         self.body_budget = ByteBudget(cfg.limits.max_inflight_body_bytes)
+        self.memtrim = MemoryTrim()  # a huge request's freed memory back to the system
+        self.body_rate = BodyRate(cfg.limits.tenant_large_body_bytes_per_s, cfg.limits.max_body_bytes)
         tr = cfg.observability.trace
         self.recorder = TraceRecorder(tr.path, tr.salt, tr.block_tokens, tr.max_ids) if tr.enabled else None
         self.session: aiohttp.ClientSession | None = None
@@ -186,6 +190,7 @@ class Gateway:
         if self.session is not None:
             await self.session.close()
         self.tokenization.close()
+        await self.preparer.screener.aclose()
         if self.recorder is not None:
             self.recorder.close()
 

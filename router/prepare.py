@@ -30,6 +30,8 @@ from .schema import (
     ours_problem,
     requested_max_tokens,
 )
+from .screen import SCREEN_BYTES
+from .screener import Screener
 from .tenancy import Tenancy, Tenant
 from .tokenize import Tokenization, TokenizerError
 
@@ -73,6 +75,7 @@ class Preparer:
         self.tenancy = tenancy
         self.tokenization = tokenization
         self.metrics = metrics
+        self.screener = Screener()  # large bodies measured before they are decoded
         # request ids: unique, not secret; seeded once so a request costs no getrandom syscall
         self._rid_rng = random.Random(os.urandom(16))
 
@@ -82,6 +85,8 @@ class Preparer:
         t0 = time.monotonic()
         if tenant is None:
             tenant = self.tenancy.authenticate(headers)
+        if len(body) >= SCREEN_BYTES:
+            await self._screen(chat, body)
         raw, req, model, prompt = self._decode(chat, body)
         self._check_chars(chat, model, prompt)
         ids = await self._tokenize(chat, model, prompt, req, tenant.id)
@@ -116,6 +121,20 @@ class Preparer:
             raise model_not_found(req.model)
         return raw, req, model, check_completion(req, model.tokenizer.vocab_size)
 
+    async def _screen(self, chat: bool, body: bytes) -> None:
+        """A large body's prompt refused for length before the body is decoded (screen.py):
+        the same 400s as the checks after decoding, without building what they refuse."""
+        size = await self.screener.measure(body, chat)
+        model = self.models.get(size.model) if size is not None else None
+        if size is None or model is None:
+            return
+        if size.messages is not None and size.messages > self.limits.max_messages:
+            raise bad_request(f"At most {self.limits.max_messages} messages are allowed.", "messages")
+        if size.ids is not None:
+            self._refuse_tokens(chat, model, size.ids)
+        if size.chars is not None:
+            self._refuse_chars(chat, model, size.chars)
+
     def _check_chars(self, chat: bool, model: ModelRuntime, prompt: Any) -> None:
         """Refuse, unread, a prompt whose characters alone prove it longer than the limit: no
         token spans more than `max_token_chars` characters, so this costs no tokenization."""
@@ -125,6 +144,19 @@ class Preparer:
             chars = len(prompt)
         else:
             return  # token ids: counted exactly, for free
+        self._refuse_chars(chat, model, chars)
+
+    def _refuse_tokens(self, chat: bool, model: ModelRuntime, n: int) -> None:
+        max_prompt = self._max_prompt(model)
+        if n >= max_prompt:
+            raise bad_request(
+                f"This model's maximum context length is {model.max_context} tokens and prompts are limited to "
+                f"{max_prompt - 1} tokens; your prompt has {n} tokens.",
+                "messages" if chat else "prompt",
+                "context_length_exceeded",
+            )
+
+    def _refuse_chars(self, chat: bool, model: ModelRuntime, chars: int) -> None:
         limit = self._max_prompt(model)
         if chars > limit * model.tokenizer.max_token_chars:
             raise bad_request(
@@ -159,16 +191,9 @@ class Preparer:
         """The request's max_tokens, after checking prompt and completion fit the context."""
         lim = self.limits
         ctx = model.max_context
-        max_prompt = self._max_prompt(model)
         if n == 0:
             raise bad_request("The prompt is empty after tokenization.", "prompt")
-        if n >= max_prompt:
-            raise bad_request(
-                f"This model's maximum context length is {ctx} tokens and prompts are limited to "
-                f"{max_prompt - 1} tokens; your prompt has {n} tokens.",
-                "messages" if chat else "prompt",
-                "context_length_exceeded",
-            )
+        self._refuse_tokens(chat, model, n)
         mt = requested_max_tokens(req)
         if mt is None:
             return min(lim.default_max_tokens, ctx - n)

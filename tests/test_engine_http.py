@@ -42,6 +42,7 @@ from workers.engine.server import EngineWorker, ServeOptions
 from workers.engine.store.disk import DiskConfig
 from workers.engine.testing import RedisServer, redis_binary
 from workers.engine.tiers import TierConfig
+from workers.fleetkeys import peer_bearer
 
 REPO = Path(__file__).resolve().parent.parent
 TOKEN = "peer-secret"
@@ -189,7 +190,7 @@ async def test_kv_endpoints_without_tiers(worker: EngineWorker, http: aiohttp.Cl
     st, body = await post(http, url + "/kv/prefetch", {"prefetch_id": "p1", "keys_b64": keys})
     assert st == 501 and body["error"]["code"] == "not_supported"
     async with http.post(url + "/kv/blocks", json={"keys_b64": keys},
-                         headers={"Authorization": f"Bearer {TOKEN}"}) as r:
+                         headers={"Authorization": f"Bearer {peer_bearer(TOKEN)}"}) as r:
         assert r.status == 200 and (await r.json()) == {"blocks": [], "missing": 2}
     async with http.delete(url + "/kv/prefetch/p1") as r:
         assert r.status == 404
@@ -376,7 +377,7 @@ async def test_kv_endpoints_with_tiers(lm: LoadedModel, http: aiohttp.ClientSess
         assert st == 200
         keys = core.new_sequence("k", prompt, SamplingParams()).keys
         kb64 = base64.b64encode(b"".join(keys)).decode()
-        auth = {"Authorization": f"Bearer {TOKEN}"}
+        auth = {"Authorization": f"Bearer {peer_bearer(TOKEN)}"}
         async with http.post(url + "/kv/blocks", json={"keys_b64": kb64, "meta": True}, headers=auth) as r:
             listing = await r.json()
         assert [b["tier"] for b in listing["blocks"]] == ["GPU"] * 12 and listing["missing"] == 0
@@ -385,7 +386,8 @@ async def test_kv_endpoints_with_tiers(lm: LoadedModel, http: aiohttp.ClientSess
                              headers={**auth, "Accept": RECORDS_MEDIA_TYPE}) as r:
             assert r.status == 200 and r.headers["content-type"] == RECORDS_MEDIA_TYPE
             data = await r.read()
-        got = list(read_records(io.BytesIO(data).read, keys))
+        mac = core.tiers.mac  # type: ignore[union-attr]
+        got = list(read_records(io.BytesIO(data).read, keys, mac, core.tiers.peer_scope))  # type: ignore[union-attr]
         assert [k for k, _, _ in got] == keys and all(len(p) == core.pool.block_bytes for _, _, p in got)
         async with http.post(url + "/kv/blocks", json={"keys_b64": kb64}, headers={"Accept": RECORDS_MEDIA_TYPE}) as r:
             assert r.status == 401

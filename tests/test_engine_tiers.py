@@ -80,6 +80,7 @@ def make_core(lm: LoadedModel, tmp: Path, *, redis: RedisServer | None = None, c
         from workers.engine.store.remote import RedisConfig
 
         remote = RedisConfig(port=redis.port, group=group or f"t{next(_groups)}-{os.getpid()}")
+        kw.setdefault("peer_token", TOKEN)  # REMOTE blocks carry a MAC keyed with the fleet secret
     dcfg = None
     if disk:
         dcfg = DiskConfig(disk_dir or tmp / "disk", disk_bytes, segment_bytes=min(4 << 20, disk_bytes // 2),
@@ -389,7 +390,7 @@ def test_corrupt_remote_value_is_a_miss(lm: LoadedModel, tmp_path: Path, redis: 
     raw = redis.client()
     name = remote_name(core, keys[7])
     value = bytearray(raw.get(name))
-    value[-5] ^= 0xFF
+    value[-5 - 32] ^= 0xFF  # in the payload, before the 32-byte MAC: bit rot the crc catches
     raw.set(name, bytes(value))
     served_from_remote_before(core, lm, 7)
     assert counter(core, "store_checksum_errors", "REMOTE") == 1
@@ -683,3 +684,123 @@ async def test_prefetch_from_remote_through_the_engine(lm: LoadedModel, tmp_path
     toks, logits, seq = await asyncio.to_thread(serve, core, "b", IDS)
     check_exact(lm, toks, logits)
     assert seq.usage.loaded_tokens["REMOTE"] == 496 and seq.usage.prefetched_tokens == 496
+
+
+# ---------------------------------------------------------------------------------- forged shared KV
+
+
+def _forged_kv(core: EngineCore, seed: int) -> bytes:
+    """Well-formed wrong KV: a block's size and dtype, finite values a model could produce."""
+    g = torch.Generator().manual_seed(seed)
+    block = torch.randn(core.pool.data.shape[1:], generator=g, dtype=core.pool.data.dtype)
+    return block.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def test_forged_remote_block_is_a_miss(lm: LoadedModel, tmp_path: Path, redis: RedisServer,
+                                       cores: list[EngineCore]) -> None:
+    """Someone who can write to the shared Redis but has no fleet secret replaces block 7 by a
+    valid record (layout, key, meta, both crcs) of wrong KV: it is not served, it is counted
+    and deleted, and the output is a full recompute's from there."""
+    from workers.engine.store.mac import MAC_SIZE, BlockMac
+    from workers.engine.store.record import decode, encode
+
+    core, keys = on_remote_only(lm, tmp_path, redis, cores)
+    raw = redis.client()
+    name = remote_name(core, keys[7])
+    real = decode(raw.get(name)[:-MAC_SIZE], keys[7])
+    wrong = _forged_kv(core, 7)
+    assert core.tiers is not None
+    scope = core.tiers.remote.scope
+    tag = BlockMac("a guessed secret").tag(scope, keys[7], real.meta, wrong)
+    raw.set(name, encode(keys[7], real.meta, wrong) + tag)
+    served_from_remote_before(core, lm, 7)
+    assert counter(core, "block_mac_failures", "REMOTE") == 1
+    assert counter(core, "store_checksum_errors", "REMOTE") == 0  # the crcs were valid: only the MAC caught it
+    assert digest64(keys[7]) in removed(events(core), "REMOTE")
+    assert not raw.exists(name)
+
+
+async def _forging_peer(records: dict[bytes, bytes]) -> tuple[Any, str]:
+    """An HTTP peer that lists `records`' keys on /kv/blocks and streams their records."""
+    import base64
+
+    from aiohttp import web
+
+    from workers.api import RECORDS_MEDIA_TYPE
+
+    async def blocks(request: web.Request) -> web.Response:
+        raw = base64.b64decode((await request.json())["keys_b64"])
+        keys = [raw[i : i + 32] for i in range(0, len(raw), 32)]
+        held = []
+        for k in keys:
+            if k not in records:
+                break
+            held.append(k)
+        if request.headers.get("Accept", "").startswith(RECORDS_MEDIA_TYPE):
+            return web.Response(body=b"".join(records[k] for k in held), content_type=RECORDS_MEDIA_TYPE)
+        return web.json_response({"blocks": [{"key": k.hex(), "tier": "GPU", "bytes": 0} for k in held]})
+
+    app = web.Application()
+    app.router.add_post("/kv/blocks", blocks)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+async def test_forged_peer_block_is_a_miss(lm: LoadedModel, tmp_path: Path, cores: list[EngineCore]) -> None:
+    """A peer answers /kv/blocks with the real records of blocks 0-19 (tagged by a worker of
+    the fleet) and from block 20 on well-formed records of wrong KV tagged without the fleet
+    secret: the first 20 land, the forged one is counted and never lands, and the output is
+    a full recompute's from there."""
+    import asyncio
+
+    from workers.api import PeerRef, PrefetchSpec
+    from workers.engine.engine import TorchEngine
+    from workers.engine.store.mac import BlockMac
+    from workers.engine.store.record import encode
+
+    src = make_core(lm, tmp_path / "src", peer_token=TOKEN)  # a fleet member: the genuine records
+    cores.append(src)
+    keys = warm(src)
+    assert src.tiers is not None
+    genuine = await asyncio.to_thread(src.tiers.export, keys)
+    assert len(genuine) == 31
+    forger = BlockMac("not the fleet secret")
+    records = {}
+    for j, (k, m, p, tag) in enumerate(genuine):
+        if j >= 20:
+            p = _forged_kv(src, j)
+            tag = forger.tag(src.tiers.peer_scope, k, m, p)
+        records[k] = encode(k, m, p) + tag
+    runner, url = await _forging_peer(records)
+    try:
+        core = make_core(lm, tmp_path, peer_token=TOKEN)
+        cores.append(core)
+        b = TorchEngine(core, calibrate=False)  # not started: this test steps its core itself
+        assert (await b.prefetch(PrefetchSpec("p", keys, 5.0, PeerRef(url)))).accepted_blocks == 31
+        assert await asyncio.to_thread(core.tiers.drain)  # type: ignore[union-attr]
+        assert counter(core, "block_mac_failures", "PEER") == 1 and counter(core, "prefetch_blocks_landed") == 20
+        toks, logits, seq = await asyncio.to_thread(serve, core, "b", IDS)
+        check_exact(lm, toks, logits)
+        assert seq.usage.loaded_tokens["PEER"] == 320 and seq.usage.recomputed_tokens == len(IDS) - 320
+        await b.close()
+    finally:
+        await runner.cleanup()
+
+
+def test_remote_needs_the_fleet_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a fleet secret REMOTE is refused in code, and the worker's flags turn it off
+    (with a warning) rather than share unauthenticated KV."""
+    from workers.cli import _parser
+    from workers.engine.server import tier_config
+    from workers.engine.store.remote import RedisConfig
+
+    with pytest.raises(ValueError, match="fleet secret"):
+        TierConfig(cpu_bytes=1 << 20, remote=RedisConfig())
+    a = _parser().parse_args(["engine", "--port", "0", "--remote-url", "redis://127.0.0.1:6379"])
+    monkeypatch.delenv("KVROUTE_PEER_TOKEN", raising=False)
+    cfg = tier_config(a)
+    assert cfg is not None and cfg.remote is None and cfg.cpu_bytes == 1 << 30

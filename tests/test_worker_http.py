@@ -23,6 +23,7 @@ from hangs import patience
 from kvindex.events import BlockStored, EventDecoder, seq_from_bytes, seq_to_bytes
 from kvindex.keys import BlockHasher, Namespace, digests64
 from workers.cluster import SimCluster
+from workers.fleetkeys import peer_bearer
 from workers.sim.profile import ComputeModel
 from workers.sim.testing import make_profile
 
@@ -372,7 +373,10 @@ async def test_peer_export_and_pull(cluster: SimCluster, http: aiohttp.ClientSes
         assert r.status == 401
     async with http.get(w0.url + "/kv/blocks", params={"keys_b64": q}, headers={"Authorization": "Bearer wrong"}) as r:
         assert r.status == 401
-    hdr = {"Authorization": f"Bearer {TOKEN}"}
+    raw_secret = {"Authorization": f"Bearer {TOKEN}"}  # the fleet secret is not the bearer: a token derived from it is
+    async with http.get(w0.url + "/kv/blocks", params={"keys_b64": q}, headers=raw_secret) as r:
+        assert r.status == 401
+    hdr = {"Authorization": f"Bearer {peer_bearer(TOKEN)}"}
     async with http.get(w0.url + "/kv/blocks", params={"keys_b64": q}, headers=hdr) as r:
         got = await r.json()
     assert [b["key"] for b in got["blocks"]] == [k.hex() for k in keys] and got["missing"] == 0

@@ -4,7 +4,9 @@ One format everywhere below the device pool (docs/engine.md § Tiers, docs/wire.
 § /kv/blocks): a block leaves the pool as its tensor's raw bytes (`[block_size, layers,
 2, kv_heads, head_dim]` in the namespace's dtype, C order, little-endian) and travels as
 a record of workers/engine/store/record.py (56-byte header with key and crc32s, meta,
-payload) to DISK, to REMOTE and to a peer. The meta is msgpack
+payload) to DISK, to REMOTE and to a peer; toward REMOTE and a peer the record is followed
+by its 32-byte keyed MAC (store/mac.py), which the reader checks before the block lands.
+The meta is msgpack
 `[parent key | b"", token ids, extra keys | None, lora name | None, cache salt | None]`:
 enough for whoever lands the block to publish `BlockStored` for it and to purge it by
 salt later.
@@ -21,6 +23,7 @@ import torch
 from workers.api import RECORDS_MEDIA_TYPE  # `Accept` / `Content-Type` of the binary /kv/blocks export
 from workers.sim.blockmeta import BlockMeta
 
+from .store.mac import MAC_SIZE, BlockMac, ForgedBlock
 from .store.record import HEADER_SIZE, RecordError, TruncatedRecord, decode, encode, read_header
 
 __all__ = ["RECORDS_MEDIA_TYPE", "BadMeta", "block_bytes_of", "decode_meta", "encode_meta", "read_records",
@@ -78,17 +81,21 @@ def record_of(key: bytes, meta: bytes, payload: bytes) -> bytes:
     return encode(key, meta, payload)
 
 
-def read_records(read: Callable[[int], bytes], keys: list[bytes]) -> Iterator[tuple[bytes, bytes, bytes]]:
+def read_records(read: Callable[[int], bytes], keys: list[bytes], mac: BlockMac,
+                 scope: bytes) -> Iterator[tuple[bytes, bytes, bytes]]:
     """Records of a /kv/blocks export, in the order of `keys` (the exporter sends the leading
-    run it holds): (key, meta, payload) each, verified. Stops at a clean end of stream;
-    raises RecordError on a bad or truncated record, or one for an unexpected key."""
+    run it holds), each followed by its MAC under `scope`: (key, meta, payload) each,
+    verified. Stops at a clean end of stream; raises RecordError on a bad or truncated
+    record, one for an unexpected key, or ForgedBlock when its MAC does not verify."""
     for want in keys:
         head = _read_exact(read, HEADER_SIZE, allow_eof=True)
         if not head:
             return
         h = read_header(head)
-        rest = _read_exact(read, h.meta_len + h.payload_len, allow_eof=False)
-        rec = decode(head + rest, want)  # checks both crcs and the key
+        rest = _read_exact(read, h.meta_len + h.payload_len + MAC_SIZE, allow_eof=False)
+        rec = decode(head + rest[:-MAC_SIZE], want)  # checks both crcs and the key
+        if not mac.verify(scope, rec.key, rec.meta, rec.payload, rest[-MAC_SIZE:]):
+            raise ForgedBlock(f"block {want.hex()[:16]}: MAC mismatch")
         yield rec.key, rec.meta, rec.payload
 
 

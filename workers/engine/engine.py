@@ -26,6 +26,7 @@ from kvindex.tiers import Tier
 from kvwire import LoadReport, WorkerInfo
 from workers.api import BlockExport, GenChunk, GenRequest, PrefetchResult, PrefetchSpec
 from workers.errors import BadRequest, Draining, EngineError, PrefetchQueueFull
+from workers.fleetkeys import peer_bearer
 from workers.sim.blockmeta import state_events
 from workers.sim.driver import meta_to_json
 from workers.usage import Usage
@@ -308,7 +309,7 @@ class TorchEngine:
         if self._http is None:
             self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=tiers.cfg.peer_timeout_s))
         body = {"keys_b64": base64.b64encode(b"".join(keys)).decode()}
-        headers = {"Authorization": f"Bearer {tiers.cfg.peer_token}"}
+        headers = {"Authorization": f"Bearer {peer_bearer(tiers.cfg.peer_token or '-')}"}
         try:
             async with self._http.post(url + "/kv/blocks", json=body, headers=headers) as r:
                 if r.status != 200:
@@ -355,7 +356,7 @@ class TorchEngine:
             batch = keys[i : i + _EXPORT_CHUNK]
             got = await asyncio.to_thread(tiers.export, batch)
             if got:
-                yield b"".join(record_of(k, m, p) for k, m, p in got)
+                yield b"".join(record_of(k, m, p) + tag for k, m, p, tag in got)
             if len(got) < len(batch):
                 return
 

@@ -17,11 +17,13 @@ import urllib.parse
 from collections.abc import Callable
 
 from kvindex.tiers import Tier
+from workers.fleetkeys import peer_bearer
 
 from .blockio import RECORDS_MEDIA_TYPE, BadMeta, decode_meta, read_records
 from .copier import Copier
 from .hostpool import Slot
 from .links import Transfer
+from .store.mac import ForgedBlock
 from .store.record import RecordError
 from .tierstate import TierState
 
@@ -123,11 +125,12 @@ class LinkRuns:
 
     def _run_peer(self, t: Transfer) -> None:
         st = self.st
+        assert st.mac is not None  # a PEER link exists only with the fleet secret
         c = self._copier(Tier.PEER, t)
         marks = [time.perf_counter()]
         try:
-            with PeerStream(t.source, st.cfg.peer_token or "", t.keys, st.cfg.peer_timeout_s) as stream:
-                for j, (key, meta, payload) in enumerate(read_records(stream.read, t.keys)):
+            with PeerStream(t.source, peer_bearer(st.cfg.peer_token or "-"), t.keys, st.cfg.peer_timeout_s) as stream:
+                for j, (key, meta, payload) in enumerate(read_records(stream.read, t.keys, st.mac, st.peer_scope)):
                     if self._stop_early(t):
                         break
                     if not self._land_bytes(t, j, c, Tier.PEER, key, meta, payload):
@@ -136,6 +139,7 @@ class LinkRuns:
         except (OSError, http.client.HTTPException, RecordError, ValueError) as e:
             with st.lock:
                 st.stats.peer_errors += 1
+                st.stats.peer_mac_failures += isinstance(e, ForgedBlock)
             log.warning("peer pull from %s failed: %s", t.source, e)
         c.finish()
         self._measure(Tier.PEER, marks)

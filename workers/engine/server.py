@@ -172,7 +172,12 @@ def tier_config(a: argparse.Namespace) -> TierConfig | None:
                           admit_after=a.disk_admit_after, max_write_bytes_per_s=a.disk_write_bytes_per_s,
                           fsync=a.disk_fsync)
     remote = None
-    if a.remote_url:
+    if a.remote_url and token is None:
+        # Unauthenticated shared KV could be planted by anyone who can write to the server: the
+        # worker serves without REMOTE rather than refuse to start (docs/engine.md § Tiers).
+        log.warning("REMOTE tier OFF: --remote-url is set but no fleet secret (--peer-token or "
+                    "$KVROUTE_PEER_TOKEN) keys the MAC its blocks need; this worker neither reads nor writes it")
+    elif a.remote_url:
         from .store.remote import RedisConfig
 
         u = urllib.parse.urlsplit(a.remote_url)

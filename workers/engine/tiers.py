@@ -183,8 +183,13 @@ class KVTiers(TierState):
     def locate(self, keys: list[bytes]) -> list[tuple[bytes, Tier, BlockMeta | None]]:
         return self.exporter.locate(keys)
 
-    def export(self, keys: list[bytes]) -> list[tuple[bytes, bytes, bytes]]:
-        return self.exporter.export(keys)
+    def export(self, keys: list[bytes]) -> list[tuple[bytes, bytes, bytes, bytes]]:
+        """(key, meta, payload, MAC) of the leading `keys` held here, for a peer (off the loop:
+        reading and tagging cost a block's bytes each)."""
+        mac = self.mac
+        if mac is None:  # no fleet secret: /kv/blocks is refused before it gets here
+            raise RuntimeError("peer export without a fleet secret")
+        return [(k, m, p, mac.tag(self.peer_scope, k, m, p)) for k, m, p in self.exporter.export(keys)]
 
     # ------------------------------------------------------------------ purge (under the lock)
 
@@ -287,6 +292,12 @@ class KVTiers(TierState):
         if Tier.PEER in self.links:
             out["peer_errors"] = {"": float(s.peer_errors)}
             out["peer_exported_blocks"] = {"": float(s.peer_exported_blocks)}
+        # blocks refused for a MAC that did not verify (forged, or another fleet's): never served
+        macs = {"PEER": float(s.peer_mac_failures)} if Tier.PEER in self.links else {}
+        if self.remote is not None:
+            macs["REMOTE"] = float(self.remote.stats.mac_failures)
+        if macs:
+            out["block_mac_failures"] = macs
         stores = [st for st in (self.disk, self.remote) if st is not None]
         for name in ("puts", "refused", "hits", "misses", "checksum_errors", "truncated", "io_errors", "evicted",
                      "dropped", "breaker_trips", "breaker_skips"):

@@ -28,6 +28,7 @@ from .kvpool import KVPool
 from .links import Link
 from .store.base import BlockStore
 from .store.disk import DiskConfig, DiskStore
+from .store.mac import BlockMac
 
 if TYPE_CHECKING:
     from .loads import Prefetch
@@ -46,7 +47,9 @@ class TierConfig:
     remote: Any = None  # store.remote.RedisConfig (redis-py is an optional dependency)
     remote_write: RemoteWrite = "gpu-evict"
     prefetch_queue: int = 16
-    peer_token: str | None = None  # bearer token for pulling from peers (and their exports)
+    # The fleet secret: bearer token of peer pulls and exports, and (through a KDF) the key
+    # of the MAC every REMOTE value and PEER record carries (store/mac.py). REMOTE needs it.
+    peer_token: str | None = None
     peer_timeout_s: float = 5.0
     clean_fraction: float = 0.25  # the oldest CPU blocks kept written to DISK ahead of need
     remote_audit_s: float = 30.0  # how often the REMOTE blocks we published are checked on the server
@@ -60,6 +63,9 @@ class TierConfig:
             raise ValueError("remote_write is gpu-evict or cpu-evict")
         if self.prefetch_queue < 0:
             raise ValueError("prefetch_queue must be >= 0")
+        if self.remote is not None and not self.peer_token:
+            raise ValueError("the REMOTE tier needs the fleet secret (--peer-token or $KVROUTE_PEER_TOKEN): its "
+                             "blocks carry a MAC keyed with it, so that no one without it can plant KV there")
 
     @property
     def enabled(self) -> bool:
@@ -86,6 +92,7 @@ class TierStats:
     written_bytes: dict[str, int] = _per_tier("DISK", "REMOTE")
     bad_meta: int = 0
     peer_errors: int = 0
+    peer_mac_failures: int = 0  # peer records whose MAC did not verify (never landed)
     peer_exported_blocks: int = 0
     prefetch_requests: int = 0
     prefetch_blocks_accepted: int = 0
@@ -142,13 +149,17 @@ class TierState:
         self.arrival_kept: dict[bytes, list[tuple[Tier, bytes]]] = {}  # their children written below meanwhile
         self.disk = (DiskStore(cfg.disk, on_drop=lambda keys: self.store_dropped(Tier.DISK, keys))
                      if cfg.disk is not None else None)
+        # Blocks leaving the worker are tagged with the fleet secret; PEER tags are bound to
+        # the model namespace (REMOTE's also to the group: RedisStore.scope).
+        self.mac = BlockMac(cfg.peer_token) if cfg.peer_token else None
+        self.peer_scope = b"PEER\0" + remote_namespace(namespace).encode()
         self.remote: Any = None
         self.remote_group: str | None = None
         if cfg.remote is not None:
             from .store.remote import RedisStore
 
             rcfg = replace(cfg.remote, namespace=remote_namespace(namespace))
-            self.remote = RedisStore(rcfg, on_drop=lambda keys: self.store_dropped(Tier.REMOTE, keys))
+            self.remote = RedisStore(rcfg, on_drop=lambda keys: self.store_dropped(Tier.REMOTE, keys), mac=self.mac)
             self.remote_group = rcfg.group
 
     def mirror(self, tier: Tier) -> dict[bytes, Held]:

@@ -20,6 +20,7 @@ from kvindex.tiers import Tier
 from kvwire import LoadReport, WorkerInfo
 from workers.api import BlockExport, GenChunk, GenRequest, PrefetchResult, PrefetchSpec
 from workers.errors import BadRequest, Draining, EngineError
+from workers.fleetkeys import peer_bearer
 from workers.usage import Usage
 
 from .blockmeta import BlockMeta
@@ -357,9 +358,10 @@ class SimDriver:
         if self._http is None:
             self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self._peer_timeout))
         body = {"keys_b64": base64.b64encode(b"".join(keys)).decode(), "meta": True}
+        auth = {"Authorization": f"Bearer {peer_bearer(self._peer_token)}"}  # derived: the secret stays here
         try:
             async with self._http.post(
-                url.rstrip("/") + "/kv/blocks", json=body, headers={"Authorization": f"Bearer {self._peer_token}"}
+                url.rstrip("/") + "/kv/blocks", json=body, headers=auth
             ) as r:
                 if r.status != 200:
                     raise BadRequest(f"peer {url} answered {r.status} to /kv/blocks", param="source_peer")

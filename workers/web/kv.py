@@ -16,6 +16,7 @@ from starlette.responses import Response, StreamingResponse
 
 from workers.api import RECORDS_MEDIA_TYPE, Engine, PeerRef, PrefetchSpec
 from workers.errors import BadRequest, NotFound
+from workers.fleetkeys import peer_bearer
 from workers.schema import BlocksBody, PrefetchBody, PurgeBody
 
 from .common import Limits, error_response, json_response, keys_from_b64, read_body
@@ -32,7 +33,8 @@ class KVHandlers:
     def __init__(self, engine: Engine, limits: Limits, peer_token: str | None) -> None:
         self.engine = engine
         self.limits = limits
-        self._peer_secret = peer_token.encode() if peer_token else None
+        # peers present a token derived from the fleet secret, never the secret (workers/fleetkeys.py)
+        self._peer_secret = peer_bearer(peer_token).encode() if peer_token else None
 
     async def prefetch(self, request: Request) -> Response:
         b = _DEC_PREFETCH.decode(await read_body(request, self.limits.max_body_bytes))

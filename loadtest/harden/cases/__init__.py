@@ -16,9 +16,11 @@ from . import (  # noqa: F401
     faults,
     fuzz,
     headers,
+    huge_prompts,
     memory,
     network_policy,
     overload,
+    shared_kv,
     tenants,
     timeouts,
 )
@@ -48,9 +50,9 @@ ORDER = (
     # fuzzing
     "fuzz_schemathesis", "fuzz_mutation",
     # workers' own surface
-    "sim_peer_pull",
+    "sim_peer_pull", "shared_kv_forged",
     # memory
-    "memory_hostile",
+    "memory_hostile", "huge_prompts",
     # the edge: the drain's end, embeddings, one network policy, details
     "drain_streams", "embeddings_path", "network_policy", "edge_details",
 )

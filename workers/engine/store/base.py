@@ -32,6 +32,7 @@ class StoreStats:
     io_errors: int = 0
     evicted: int = 0
     dropped: int = 0  # bad records removed after a failed read
+    mac_failures: int = 0  # REMOTE: values whose keyed MAC did not verify (forged, or another fleet's)
     breaker_trips: int = 0  # REMOTE: times the circuit breaker opened
     breaker_skips: int = 0  # REMOTE: calls answered without trying while it was open
 

@@ -3,7 +3,10 @@
 Keys are `<namespace>:<group>:<64 hex of the block key>`, so workers of one group (same
 model deployment) share blocks and other groups on the same server never see them. Each
 value is a record in the DISK format (record.py), so a corrupt, truncated or misplaced
-value is detected. Values are written with SET PX ttl; a hit refreshes the TTL (GETEX),
+value is detected; with a `BlockMac` (the engine always gives one) the record is followed
+by its 32-byte keyed MAC (mac.py) over the REMOTE scope, the key prefix, the block key,
+meta and payload, so a value written by anyone without the fleet secret is a miss too
+(counted in `mac_failures`, deleted). Values are written with SET PX ttl; a hit refreshes the TTL (GETEX),
 so retention is by last use. Capacity is the server's job (maxmemory + allkeys-lru).
 
 `contains` asks the server (pipelined EXISTS, one round trip per batch) rather than a
@@ -34,6 +37,7 @@ from redis.retry import Retry
 
 from workers.engine.store.admission import Clock
 from workers.engine.store.base import Record, StoreStats
+from workers.engine.store.mac import MAC_SIZE, BlockMac, ForgedBlock
 from workers.engine.store.record import (
     HEADER_SIZE,
     KEY_SIZE,
@@ -149,8 +153,10 @@ class RedisStore:
     tier = "REMOTE"
 
     def __init__(self, config: RedisConfig, *, on_drop: Callable[[list[bytes]], None] | None = None,
-                 clock: Clock = time.monotonic) -> None:
+                 clock: Clock = time.monotonic, mac: BlockMac | None = None) -> None:
         self.config = config
+        self.mac = mac
+        self.scope = b"REMOTE\0" + config.prefix  # what a tag is bound to besides the block
         self.stats = StoreStats()
         self.on_drop = on_drop
         self._lock = threading.Lock()  # guards stats
@@ -173,6 +179,8 @@ class RedisStore:
         """SET with the TTL; False when the server is unavailable or refuses (e.g. OOM)."""
         check_key(key)
         value = encode(key, meta, payload)
+        if self.mac is not None:
+            value += self.mac.tag(self.scope, key, meta, payload)
         try:
             self._call(lambda r: r.set(self._name(key), value, px=self._ttl_ms))
         except _Unavailable:
@@ -198,7 +206,7 @@ class RedisStore:
             self._notify([key])
             return None
         try:
-            record = decode(value, key)
+            record = self._open(value, key)
         except RecordError as err:
             self._drop_corrupt(key, err)
             self._count(misses=1)
@@ -259,6 +267,17 @@ class RedisStore:
         self._client.close()
 
     # --- helpers ----------------------------------------------------------------------
+
+    def _open(self, value: bytes, key: bytes) -> Record:
+        """The record in a value, its crcs and (with a MAC) its tag verified."""
+        if self.mac is None:
+            return decode(value, key)
+        if len(value) < HEADER_SIZE + MAC_SIZE:
+            raise TruncatedRecord(f"{len(value)} bytes: no room for a record and its MAC")
+        record = decode(value[:-MAC_SIZE], key)
+        if not self.mac.verify(self.scope, key, record.meta, record.payload, value[-MAC_SIZE:]):
+            raise ForgedBlock("MAC mismatch")
+        return record
 
     def _name(self, key: bytes) -> bytes:
         check_key(key)
