@@ -36,11 +36,10 @@ from .logs import client_request_id
 from .model import ModelRuntime
 from .proxy import UpstreamError, post, read_within
 from .redact import worker_message
-from .schema import upstream_error_message
+from .schema import decode_object, upstream_error_message
 from .worker import Inflight, Worker
 
 log = logging.getLogger("kvroute.embeddings")
-_raw_dec = msgspec.json.Decoder(dict[str, Any])
 _FIELD = re.compile(r"at `\$\.(\w+)|required field `(\w+)`")
 _enc = msgspec.json.Encoder()
 _RELAYED = {400: 400, 404: 404, 413: 413, 422: 400}
@@ -170,14 +169,7 @@ class EmbeddingsRoute(CompletionRoute):
 
 def _decode(body: bytes) -> dict[str, Any]:
     """The body as sent (what the worker gets, model aside), its fields checked."""
-    try:
-        raw = _raw_dec.decode(body)
-    except RecursionError:
-        raise bad_request("The request body is nested too deeply.", None, "invalid_json") from None
-    except msgspec.ValidationError:
-        raise bad_request("The request body must be a JSON object.") from None
-    except msgspec.DecodeError as e:
-        raise bad_request(f"We could not parse the JSON body of your request: {e}", None, "invalid_json") from None
+    raw = decode_object(body)
     try:
         req = msgspec.convert(raw, EmbeddingRequest)
     except msgspec.ValidationError as e:

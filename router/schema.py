@@ -76,17 +76,22 @@ _PATH = re.compile(r"at `\$\.?([^`]*)`")
 _raw_dec = msgspec.json.Decoder(dict[str, Any])
 
 
-def decode_request(body: bytes, chat: bool) -> tuple[dict[str, Any], ChatRequest | CompletionRequest]:
-    """The client's body as it came (forwarded unchanged to pass-through workers) and the
-    typed view of the fields the gateway reads; a wrong type is a 400 naming the field."""
+def decode_object(body: bytes) -> dict[str, Any]:
+    """A request body as the JSON object it must be; a 400 saying why otherwise."""
     try:
-        raw = _raw_dec.decode(body)
+        return _raw_dec.decode(body)
     except RecursionError:
         raise bad_request("The request body is nested too deeply.", None, "invalid_json") from None
     except msgspec.ValidationError:
         raise bad_request("The request body must be a JSON object.") from None
     except msgspec.DecodeError as e:
         raise bad_request(f"We could not parse the JSON body of your request: {e}", None, "invalid_json") from None
+
+
+def decode_request(body: bytes, chat: bool) -> tuple[dict[str, Any], ChatRequest | CompletionRequest]:
+    """The client's body as it came (forwarded unchanged to pass-through workers) and the
+    typed view of the fields the gateway reads; a wrong type is a 400 naming the field."""
+    raw = decode_object(body)
     try:
         req: ChatRequest | CompletionRequest = (
             msgspec.convert(raw, ChatRequest) if chat else msgspec.convert(raw, CompletionRequest))
