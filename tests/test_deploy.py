@@ -34,6 +34,7 @@ import math
 import os
 import random
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -904,6 +905,9 @@ def test_compose_worker_commands_and_gateway_config_serve_together(tmp_path: Pat
             m["tokenizer"] = str((base / m["tokenizer"]).resolve())
             m["profile"] = str((base / m["profile"]).resolve())
         started, taken = [], {redis.port}
+        # The fleet secret, as docs/deploy.md asks the operator to set it: without one the
+        # workers run their REMOTE tier OFF (its blocks carry a MAC keyed with it).
+        worker_env = {**os.environ, "KVROUTE_PEER_TOKEN": secrets.token_hex(16)}
         for w in cfg["workers"]:
             cmd, port, events = _local([str(x) for x in services[w["id"]]["command"]], tmp_path / w["id"], redis.port,
                                        taken)
@@ -911,7 +915,7 @@ def test_compose_worker_commands_and_gateway_config_serve_together(tmp_path: Pat
             if started:  # the first one generates the weights (~10 s of CPU) into the shared cache
                 _wait_until(lambda: any((tmp_path / "cache").glob("tiny-llama-*")), 120, "the tiny Llama's weights",
                             *started[0][::-1])
-            started.append((log, procs.start(cmd, log)))
+            started.append((log, procs.start(cmd, log, env=worker_env)))
             w["url"] = f"http://127.0.0.1:{port}"
             w["events"] = {"endpoint": f"tcp://127.0.0.1:{events}", "replay_endpoint": f"tcp://127.0.0.1:{events + 1}"}
         for log, proc in started:
