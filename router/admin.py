@@ -13,6 +13,7 @@ import aiohttp
 import msgspec
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+from .costs import speeds_stated
 from .errors import ApiError, bad_request
 from .ingest_adapter import PoolIngest
 from .model import ModelTable
@@ -167,7 +168,8 @@ def speeds_summary(w: Any) -> dict[str, Any]:
     """Where a worker's speeds come from and how sure the router is of them."""
     sp = w.fleet.speed
     out: dict[str, Any] = sp.summary() if sp is not None else {"state": "probing", "confidence": 0.0, "samples": 0}
-    out["source"] = "fitted" if w.view.speeds_fitted else "stated" if w.view.speeds_known else "defaults"
+    out["source"] = "fitted" if w.view.speeds_fitted else "stated" if speeds_stated(w.model, w.cfg.cost, w.kind) \
+        else "defaults"
     c = w.view.cost
     out["in_use"] = {"prefill_tokens_per_s": round(c.prefill_tokens_per_s, 1),
                      "prefill_overhead_ms": round(c.prefill_overhead_s * 1e3, 3),

@@ -116,12 +116,13 @@ class WorkerPool:
         w.state = State.UNHEALTHY
         w.reason = "removed"
         self._rebuild(w.model.id)
-        if w.task is not None:
-            w.task.cancel()
-            try:
-                await w.task
-            except (asyncio.CancelledError, Exception):
-                pass
+        for t in (w.task, w.probe_task):
+            if t is not None:
+                t.cancel()
+                try:
+                    await t
+                except (asyncio.CancelledError, Exception):
+                    pass
         return w
 
     def drain(self, worker_id: str, draining: bool = True) -> Worker:
@@ -219,7 +220,7 @@ class WorkerPool:
                 if w.state in (State.PENDING, State.UNHEALTHY, State.REFUSED):
                     if await self._register(w):
                         if not w.view.speeds_known:
-                            await probe_speeds(self.session, w, w.model.tokenizer.vocab_size)
+                            self._start_probe(w)
                         next_health = time.monotonic() + cfg.health_interval_s
                         continue
                     await asyncio.sleep(cfg.health_interval_s * (5 if w.state is State.REFUSED else 1))
@@ -241,6 +242,20 @@ class WorkerPool:
             except Exception as e:  # a monitor must never die: log, back off, go on
                 log.exception("worker %s monitor: %s", w.id, e)
                 await asyncio.sleep(cfg.health_interval_s)
+
+    def _start_probe(self, w: Worker) -> None:
+        """Measure the worker's speeds beside its monitor (a slow or hanging probe must not
+        hold up its health checks and polls)."""
+        if w.probe_task is not None and not w.probe_task.done():
+            w.probe_task.cancel()
+        w.probe_task = asyncio.get_running_loop().create_task(self._probe(w), name=f"speed-probe-{w.id}")
+
+    async def _probe(self, w: Worker) -> None:
+        given = await probe_speeds(self.session, w, w.model.tokenizer.vocab_size)
+        if not w.view.speeds_known:  # it could not be measured now: serving traffic will measure it
+            w.view.speeds_known = True
+            log.warning("worker %s: its speeds could not be measured at join (%d probe(s) answered); it is "
+                        "priced with the default speeds until requests measure it", w.id, given)
 
     def _health_failed(self, w: Worker, why: str, refused: bool = False) -> None:
         """A failed `/health` probe: dead when refused (nothing listens), or after
@@ -522,7 +537,7 @@ class WorkerPool:
 
     async def close(self) -> None:
         self._closed = True
-        tasks = [w.task for w in self.workers.values() if w.task is not None]
+        tasks = [t for w in self.workers.values() for t in (w.task, w.probe_task) if t is not None]
         for t in tasks:
             t.cancel()
         for t in tasks:

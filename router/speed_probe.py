@@ -7,7 +7,9 @@ and under a fresh `cache_salt` where the worker takes one) with `max_tokens: 1`,
 feeds each one's time to its answer into the worker's SpeedFit, as if it were a clean
 request. The first prompt is a warm-up and not counted. A probe that overlaps real
 traffic on the worker is not a clean sample and is dropped; a failing probe ends the
-probing quietly (routing by affinity continues until serving traffic measures it).
+probing, and a worker that could not be measured is priced with the default speeds until
+requests measure it (router/pool.py). The probes run beside the worker's monitor, so a
+hanging one holds up neither its health checks nor its load polls.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ PROBE_TOKENS = (16, 64, 512, 256, 128)
 _FIRST_ID = 16  # clear of the usual special tokens
 # Marks a probe to the worker (its logs, a test's fake): not a client's request.
 PROBE_HEADERS = {"content-type": "application/json", "x-kvroute-probe": "speed"}
-PROBE_TIMEOUT_S = 60.0  # one prompt of up to 512 tokens on the slowest engine we know of
+PROBE_TIMEOUT_S = 30.0  # one prompt of up to 512 tokens on a busy, slow engine
 
 
 def probe_lengths(max_context: int) -> list[int]:

@@ -49,6 +49,7 @@ class Worker:
     capabilities: set[str] = field(default_factory=set)
     in_index: bool = False
     task: asyncio.Task[None] | None = None
+    probe_task: asyncio.Task[None] | None = None  # measuring its speeds at join (router/speed_probe.py)
     served: int = 0
     failures_total: int = 0
     last_error: str = ""

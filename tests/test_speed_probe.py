@@ -44,15 +44,28 @@ async def test_a_vllm_worker_is_measured_when_it_joins() -> None:
 
 
 async def test_unmeasured_workers_are_routed_by_affinity_and_explain_says_so() -> None:
-    broken = _vllm("v", probe_status=500)  # answers clients, not the probe: never measured
-    async with fleet([broken], _cfg(admin_token=ADMIN)) as (gw, url):
+    slow = _vllm("v", probe_tps=1000.0, probe_overhead_s=30.0)  # each probe takes half a minute
+    async with fleet([slow], _cfg(admin_token=ADMIN)) as (gw, url):
         w = gw.pool.workers["v"]
-        await wait_until(lambda: len(broken.probes) >= 1, 10.0, "a probe")
+        await wait_until(lambda: len(slow.probes) >= 1, 10.0, "a probe")
         assert not w.view.speeds_known and not w.view.speeds_fitted
         ex = await _admin(url, "/admin/route/explain", "POST",
                           {"model": "test-model", "prompt": "hello there", "max_tokens": 4})
         assert ex["decision"]["reason"] == "speeds_unknown"
         assert "not measured yet" in ex["note"] and ex["speeds"]["v"]["source"] == "defaults"
+        # the probe runs beside the monitor: health checks go on meanwhile
+        assert w.state.value == "healthy" and w.probe_task is not None and not w.probe_task.done()
+
+
+async def test_a_worker_that_fails_its_probes_is_priced_with_the_defaults() -> None:
+    broken = _vllm("v", probe_status=500)  # answers clients, not the probe
+    async with fleet([broken], _cfg(admin_token=ADMIN)) as (gw, url):
+        w = gw.pool.workers["v"]
+        await wait_until(lambda: w.view.speeds_known, 10.0, "probing given up")
+        assert not w.view.speeds_fitted and len(broken.probes) == 1
+        ex = await _admin(url, "/admin/route/explain", "POST",
+                          {"model": "test-model", "prompt": "hello there", "max_tokens": 4})
+        assert ex["decision"]["reason"] != "speeds_unknown" and ex["speeds"]["v"]["source"] == "defaults"
 
 
 async def test_a_stated_speed_is_not_probed() -> None:

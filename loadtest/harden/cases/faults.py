@@ -139,7 +139,10 @@ async def vllm_passthrough_faults(ctx: Ctx) -> None:
              ("stall", True), ("truncated", True), ("reset_mid", True))
     bad = {m: await ctx.faulty(m, kind="vllm") for m, _ in modes}
     good = await ctx.faulty("ok", kind="vllm", worker_id=ctx.worker_id("vw"))
-    workers = [{"id": fp.worker_id, "url": fp.url, "kind": "vllm"} for fp in (*bad.values(), good)]
+    # Stated, equal speeds: the case is about what a failure does, so each faulty worker must
+    # be as attractive as the good one (measured speeds would rightly steer around them).
+    same = {"prefill_tokens_per_s": 10_000.0, "prefill_overhead_s": 0.0}
+    workers = [{"id": fp.worker_id, "url": fp.url, "kind": "vllm", "cost": same} for fp in (*bad.values(), good)]
     gw = await ctx.gateway(ctx.config(workers), wait_ready=False)
     await wait_all_healthy(ctx, gw, len(workers))
     for fp in bad.values():
