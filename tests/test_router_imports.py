@@ -27,3 +27,17 @@ print('ok')
 """
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+def test_the_real_engine_never_imports_the_simulator() -> None:
+    """DESIGN §3: both engines stand on neutral modules (workers/blockmeta.py,
+    workers/tokenizer.py); workers/engine imports nothing of workers/sim, read from the source."""
+    import ast
+
+    bad = []
+    for path in sorted((ROOT / "workers" / "engine").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            bad += [f"{path.relative_to(ROOT)}: {n}" for n in names if n == "workers.sim" or n.startswith("workers.sim.")]
+    assert not bad, bad

@@ -20,7 +20,7 @@ from router.tokenize import Tokenizer
 from workers.cluster import SimCluster
 from workers.sim.profile import CONFIGS_DIR, load_profile
 from workers.sim.testing import make_profile
-from workers.sim.tokenizer import SimTokenizer, TokenizerError
+from workers.tokenizer import SimTokenizer, TokenizerError
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = {
@@ -94,7 +94,7 @@ def test_a_folder_without_tokenizer_json_is_refused(tmp_path: Path) -> None:
 
 def test_the_simulated_tokenizer_never_imports_torch() -> None:
     code = (
-        "import sys; from workers.sim.tokenizer import SimTokenizer; "
+        "import sys; from workers.tokenizer import SimTokenizer; "
         f"t = SimTokenizer({str(FOLDERS['llama3-style'])!r}); "
         "t.apply_chat_template([{'role': 'user', 'content': 'x'}]); t.decode(t.encode('x')); t.filler(0, 3); "
         "assert 'torch' not in sys.modules, 'torch imported'"

@@ -20,7 +20,7 @@ from workers.errors import QueueFull
 from workers.sim.driver import SimDriver
 from workers.sim.engine import SimEngine
 from workers.sim.testing import make_profile
-from workers.sim.tokenizer import SimTokenizer
+from workers.tokenizer import SimTokenizer
 from workers.usage import Usage
 
 ROUTES = {

@@ -32,7 +32,7 @@ import signal
 import sys
 
 from workers.sim.profile import ProfileError, load_profile
-from workers.sim.tokenizer import TokenizerError
+from workers.tokenizer import TokenizerError
 
 
 def _parser() -> argparse.ArgumentParser:

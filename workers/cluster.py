@@ -29,7 +29,7 @@ from workers.sim.driver import SimDriver
 from workers.sim.engine import SimEngine
 from workers.sim.profile import SimProfile
 from workers.sim.remote import RemoteStore
-from workers.sim.tokenizer import SimTokenizer
+from workers.tokenizer import SimTokenizer
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from workers.api import RECORDS_MEDIA_TYPE  # `Accept` / `Content-Type` of the binary /kv/blocks export
-from workers.sim.blockmeta import BlockMeta
+from workers.blockmeta import BlockMeta
 
 from .store.mac import MAC_SIZE, BlockMac, ForgedBlock
 from .store.record import HEADER_SIZE, RecordError, TruncatedRecord, decode, encode, read_header

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from kvindex.events import AllBlocksCleared, BlockRemoved, KVEvent
 from kvindex.tiers import Tier
-from workers.sim.blockmeta import BlockMeta, block_hashes, stored_events
+from workers.blockmeta import BlockMeta, block_hashes, stored_events
 
 from .sequence import Sequence as Seq
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 
 from kvindex.tiers import Tier
-from workers.sim.blockmeta import BlockMeta, stored_events
+from workers.blockmeta import BlockMeta, stored_events
 
 from .blockio import BadMeta, decode_meta
 from .tierstate import Held, TierState

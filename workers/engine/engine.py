@@ -25,10 +25,9 @@ from kvindex.events import KVEvent
 from kvindex.tiers import Tier
 from kvwire import LoadReport, WorkerInfo
 from workers.api import BlockExport, GenChunk, GenRequest, PrefetchResult, PrefetchSpec
+from workers.blockmeta import meta_to_json, state_events
 from workers.errors import BadRequest, Draining, EngineError, PrefetchQueueFull
 from workers.fleetkeys import peer_bearer
-from workers.sim.blockmeta import state_events
-from workers.sim.driver import meta_to_json
 from workers.usage import Usage
 
 from .blockio import record_of

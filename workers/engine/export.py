@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from kvindex.tiers import Tier
-from workers.sim.blockmeta import BlockMeta
+from workers.blockmeta import BlockMeta
 
 from .blockio import block_bytes_of, encode_meta
 from .blocks import Block

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from workers.sim.blockmeta import BlockMeta
+from workers.blockmeta import BlockMeta
 
 from .model import KVShape
 

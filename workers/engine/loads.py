@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvindex.tiers import Tier
+from workers.blockmeta import BlockMeta
 from workers.errors import BadRequest, PrefetchQueueFull
-from workers.sim.blockmeta import BlockMeta
 
 from .hostpool import Slot
 from .links import Transfer

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from workers.sim.tokenizer import SimTokenizer, TokenizerError
+from workers.tokenizer import SimTokenizer, TokenizerError
 
 from .tiny import MODEL_ID, SERVED_ALIASES, ModelError, tiny_model_dir
 
@@ -50,7 +50,7 @@ class KVShape:
 
 
 class EngineTokenizer:
-    """The worker tokenizer (the gateway's rules, workers/sim/tokenizer.py) bounded by the
+    """The worker tokenizer (the gateway's rules, workers/tokenizer.py) bounded by the
     model's embedding table, decoding output without special tokens."""
 
     def __init__(self, folder: Path, vocab_size: int) -> None:

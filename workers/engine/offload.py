@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from kvindex.tiers import Tier
-from workers.sim.blockmeta import stored_events
+from workers.blockmeta import stored_events
 
 from .blocks import EvictedBlock
 from .hostpool import Slot

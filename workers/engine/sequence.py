@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from kvindex.keys import ROOT_KEY, BlockHasher, ExtraKeys, Namespace
-from workers.sim.blockmeta import BlockMeta
+from workers.blockmeta import BlockMeta
 from workers.usage import Usage
 
 from .detok import OutputText

@@ -32,7 +32,7 @@ from kvindex.events import AllBlocksCleared, BlockRemoved
 from kvindex.keys import Namespace
 from kvindex.tiers import Tier
 from kvwire import BlockCounts, TierLink
-from workers.sim.blockmeta import BlockMeta, block_hashes
+from workers.blockmeta import BlockMeta, block_hashes
 
 from .blockio import BadMeta, decode_meta
 from .blocks import BlockManager, EvictedBlock

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 from kvindex.events import BlockRemoved
 from kvindex.keys import Namespace
 from kvindex.tiers import Tier
-from workers.sim.blockmeta import block_hashes
+from workers.blockmeta import block_hashes
 
 from .blocks import BlockManager
 from .hostpool import HostPool, Slot

@@ -16,7 +16,7 @@ import threading
 import time
 
 from kvindex.tiers import Tier
-from workers.sim.blockmeta import BlockMeta, stored_events
+from workers.blockmeta import BlockMeta, stored_events
 
 from .blockio import block_bytes_of, encode_meta
 from .hostpool import Slot

@@ -19,14 +19,14 @@ import aiohttp
 from kvindex.tiers import Tier
 from kvwire import LoadReport, WorkerInfo
 from workers.api import BlockExport, GenChunk, GenRequest, PrefetchResult, PrefetchSpec
+from workers.blockmeta import BlockMeta, meta_from_json, meta_to_json
 from workers.errors import BadRequest, Draining, EngineError
 from workers.fleetkeys import peer_bearer
+from workers.tokenizer import SimTokenizer
 from workers.usage import Usage
 
-from .blockmeta import BlockMeta
 from .embed import embed
 from .engine import SimEngine, SimRequest
-from .tokenizer import SimTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -130,27 +130,6 @@ class _HttpPeer:
 
     def block_metas(self, keys: list[bytes]) -> dict[bytes, BlockMeta]:
         return {k: self._metas[k] for k in keys if k in self._metas}
-
-
-def meta_to_json(m: BlockMeta, block_size: int) -> dict[str, Any]:
-    return {
-        "parent": m.parent.hex() if m.parent is not None else None,
-        "token_ids": list(m.tokens[m.offset : m.offset + block_size]),
-        "extra_keys": list(m.extra) if m.extra else None,
-        "lora_name": m.lora,
-    }
-
-
-def meta_from_json(d: dict[str, Any]) -> BlockMeta:
-    parent = d.get("parent")
-    extra = d.get("extra_keys")
-    return BlockMeta(
-        bytes.fromhex(parent) if parent else None,
-        list(d["token_ids"]),
-        0,
-        tuple(extra) if extra else None,
-        d.get("lora_name"),
-    )
 
 
 class SimDriver:

@@ -16,11 +16,11 @@ from kvindex.events import KVEvent
 from kvindex.keys import BlockHasher, ExtraKeys, Namespace
 from kvindex.tiers import Tier
 from kvwire import LoadReport, NamespaceInfo, Speeds, TierLink, WorkerInfo
+from workers.blockmeta import BlockMeta, state_events
 from workers.errors import BadRequest, PrefetchQueueFull, QueueFull, RequestTooLarge
 from workers.usage import Usage
 
 from .admission import AdmissionFilter
-from .blockmeta import BlockMeta, state_events
 from .job import Job, SimRequest
 from .kvcache import TieredKV
 from .loader import Loader, PeerSource

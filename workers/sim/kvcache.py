@@ -14,9 +14,9 @@ from typing import Any
 from kvindex.events import AllBlocksCleared, BlockRemoved, KVEvent
 from kvindex.tiers import Tier
 from kvwire import BlockCounts
+from workers.blockmeta import BlockMeta, block_hashes, stored_events
 
 from .admission import AdmissionFilter
-from .blockmeta import BlockMeta, block_hashes, stored_events
 from .remote import RemoteStore
 
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvindex.tiers import Tier
+from workers.blockmeta import BlockMeta
 
-from .blockmeta import BlockMeta
 from .job import Job, Phase
 from .kvcache import TieredKV
 from .links import Link, Transfer

@@ -1,8 +1,10 @@
 """What a `BlockStored` event says about each block (`BlockMeta`), and how blocks stored
 together become events: one per chain run, parents first.
 
-Apart from the cache because it is the wire side of a block (docs/wire.md § KV events),
-shared with the driver (peer export and import of metadata) and the loader.
+Neutral ground for both engines (DESIGN §3: the real engine never imports the
+simulator): it is the wire side of a block (docs/wire.md § KV events) and its JSON form
+for peer export and import, used by the simulated cache, driver and loader and by the real
+engine's tiers, writer and disk scan alike.
 """
 from __future__ import annotations
 
@@ -153,3 +155,24 @@ def state_events(held: Mapping[Tier, set[bytes]], meta: Mapping[bytes, BlockMeta
             if k in held.get(tier, ()):
                 events.append(_stored([k], meta, block_size, tier.name))
     return events
+
+
+def meta_to_json(m: BlockMeta, block_size: int) -> dict[str, Any]:
+    return {
+        "parent": m.parent.hex() if m.parent is not None else None,
+        "token_ids": list(m.tokens[m.offset : m.offset + block_size]),
+        "extra_keys": list(m.extra) if m.extra else None,
+        "lora_name": m.lora,
+    }
+
+
+def meta_from_json(d: dict[str, Any]) -> BlockMeta:
+    parent = d.get("parent")
+    extra = d.get("extra_keys")
+    return BlockMeta(
+        bytes.fromhex(parent) if parent else None,
+        list(d["token_ids"]),
+        0,
+        tuple(extra) if extra else None,
+        d.get("lora_name"),
+    )
