@@ -39,5 +39,6 @@ def test_the_real_engine_never_imports_the_simulator() -> None:
         for node in ast.walk(ast.parse(path.read_text())):
             names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
                 [a.name for a in node.names] if isinstance(node, ast.Import) else []
-            bad += [f"{path.relative_to(ROOT)}: {n}" for n in names if n == "workers.sim" or n.startswith("workers.sim.")]
+            bad += [f"{path.relative_to(ROOT)}: {n}" for n in names
+                    if n == "workers.sim" or n.startswith("workers.sim.")]
     assert not bad, bad
