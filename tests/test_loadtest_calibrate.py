@@ -76,12 +76,14 @@ def test_measured_speeds_become_a_loadable_profile(engine_url: str, tmp_path: Pa
     out = tmp_path / "measured.yaml"
     m = run_calibrate(engine_url, out, base_profile="tiny-cpu", name="measured", model=None,
                       lengths=(64, 256, 1024), repeats=2)
-    # The fit keeps the base profile's form (linear + attention): what must hold is the time
-    # it predicts, against the engine's, over the measured range (timed through an event loop).
-    for n in (64, 256, 1024):
-        pred = m.overhead_s + n / m.prefill_tokens_per_s + m.prefill_attn_s_per_token2 * n * n / 2
-        assert pred == pytest.approx(OVERHEAD + n / TPS, rel=0.3), n
-    assert set(m.decode_steps) == {1, 4, 8} and all(STEP * 0.5 < s < STEP * 4 for s in m.decode_steps.values())
+    # The fit keeps the base profile's form (linear + attention). A loaded machine only makes
+    # the fake slower than its sleeps, never faster: so the bounds are one-sided (what it
+    # predicts is at least near the engine's time, and grows with the prompt).
+    preds = [m.overhead_s + n / m.prefill_tokens_per_s + m.prefill_attn_s_per_token2 * n * n / 2
+             for n in (64, 256, 1024)]
+    assert all(p >= 0.7 * (OVERHEAD + n / TPS) for p, n in zip(preds, (64, 256, 1024), strict=True)), preds
+    assert preds[0] < preds[1] < preds[2]
+    assert set(m.decode_steps) == {1, 4, 8} and all(s > STEP * 0.5 for s in m.decode_steps.values())
     prof = load_profile(out)
     assert prof.name == "measured" and prof.compute.prefill_tokens_per_s == pytest.approx(m.prefill_tokens_per_s, 0.01)
     assert prof.geometry == load_profile("tiny-cpu").geometry  # what HTTP cannot show comes from the base
