@@ -32,8 +32,9 @@ def parse_vllm_metrics(text: str) -> VllmLoad:
     """Raises ValueError when the text lacks the queue gauges.
 
     Reads only the samples it needs, found by name in the text: a vLLM server's
-    `/metrics` is ~50 KB of histograms, and a full parse of it per poll was most of the
-    gateway's CPU in front of real vLLM servers (bench/bench_vllm_metrics.py)."""
+    `/metrics` is ~50 KB of histograms, and prometheus_client's full parse took 8.7 ms per
+    poll against 73 us for this, on the recorded text tests/test_vllm_metrics.py checks it
+    against (the full parser stays the reference there)."""
     sums: dict[str, float] = {}
     for name in (_WAITING, _RUNNING, *_USAGE):
         for _labels, value in _samples(text, name):
