@@ -100,16 +100,17 @@ def test_bad_profiles_are_refused_with_the_field() -> None:
 
 
 def test_tiny_cpu_profile_matches_the_real_engine(tmp_path: Path) -> None:
-    """configs/profiles/tiny-cpu.yaml is calibrated from the torch engine on this machine
-    (workers/engine/calibration.py): its prefill formula and its CPU/DISK link costs stay
-    within 40% of a fresh measurement by the engine: the time of a 1k and of a 4k-token miss
+    """configs/profiles/tiny-cpu.yaml is calibrated from the torch engine (workers/engine/
+    calibration.py): its prefill formula and its CPU/DISK link costs stay within a factor of 2
+    (either way) of a fresh measurement by the engine: the time of a 1k and of a 4k-token miss
     (chunks of the profile's token budget, taken round-robin after a warm-up; the minimum,
     as calibrated: other work on the machine only ever slows compute) and of a request's
     255-block load from each tier (the median: load times spread both ways from run to run).
-    The bound is wide because this shared host changes speed: on a quiet machine, within one
-    hour, the 1k miss took 82.5 and 111-126 ms (profile 105.9), a CPU load 4.2 and 7.4 ms
-    (profile 5.3), a DISK load 13.8 and 25.8 ms (profile 17.3). A profile off by half or
-    more still fails it.
+    The bound is wide because the profile was measured on one host and the test runs on
+    whichever host runs it: on one quiet machine, within one hour, the 1k miss took 82.5 and
+    111-126 ms (profile 105.9), a CPU load 4.2 and 7.4 ms (profile 5.3), a DISK load 13.8 and
+    25.8 ms (profile 17.3); a CI host copied memory faster (a CPU load in 3.3 ms). A profile
+    off by 2x or more, as a wrong unit or a stale formula would be, still fails it.
     A quantity out of bounds gets more samples, up to four rounds in all. Still out of bounds
     while the machine ran more than a job per core (load average above the core count), the
     timings measured the neighbours, not the engine: the test then skips, loudly, with them."""
@@ -154,7 +155,7 @@ def test_tiny_cpu_profile_matches_the_real_engine(tmp_path: Path) -> None:
             return min(samples[k]) if k.startswith("prefill") else statistics.median(samples[k])
 
         def off() -> set[str]:
-            return {k for k, w in want.items() if abs(w / stat(k) - 1) > 0.4}
+            return {k for k, w in want.items() if max(w / stat(k), stat(k) / w) > 2.0}
 
         sample(set(want))
         for _ in range(3):
