@@ -24,8 +24,12 @@ from .types import CostParams, Decision, RouteRequest, WorkerView
 
 # The prefill scale every policy calibrates with: this quantile of the recent observed /
 # predicted prefill ratios (calibration.py: a reported prefill also holds the chunks of
-# the requests it shared steps with, which the queue term already prices).
+# the requests it shared steps with, which the queue term already prices). A constant,
+# not a setting: the EWMA it replaced read predictions 20-30% high (docs/planner.md,
+# "Online calibration").
 PREFILL_QUANTILE = 0.2
+# Add each worker's median TTFT residual to its predictions: a constant, not a setting
+# (docs/planner.md, "Online calibration": the misses it absorbs).
 TTFT_OFFSET = True
 RETRY_MIN_S = 0.5
 RETRY_MAX_S = 60.0

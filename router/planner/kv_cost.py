@@ -2,14 +2,15 @@
 
 Workers at their cap are out; a bounded-load guard keeps a hot prefix from piling
 onto one worker while estimates are stale; the argmin of `T_ttft + interference`
-(delays to requests still loading; optionally, `coschedule_weight`, to requests waiting
-for the step this one would share) wins, near-ties going to the less loaded worker; with `max_ttft_s` set, a request no
-worker can serve in time is shed. Workers are evaluated in the order of a cheap lower
-bound and pruning stops when none left could win, tie or be the retry target, so a
-decision over 64 workers stays well under a millisecond and equals the full
-evaluation. Reasons (fixed labels): min_ttft, tie_less_load, saturation_prefix,
-slo_over_balance, shed_slo, shed_capped, no_workers, speeds_unknown (a worker not yet
-measured: cache affinity and load decide). Details: docs/planner.md.
+(delays to requests still loading; with a non-zero COSCHEDULE_WEIGHT, to requests
+waiting for the step this one would share) wins, near-ties going to the less loaded
+worker; with `max_ttft_s` set, a request no worker can serve in time is shed.
+Workers are evaluated in the order of a cheap lower bound and pruning stops when none
+left could win, tie or be the retry target, so a decision over 64 workers stays well
+under a millisecond and equals the full evaluation. Six settings; every other number
+is a constant of kv_cost_tuning.py. Reasons (fixed labels): min_ttft, tie_less_load,
+saturation_prefix, slo_over_balance, shed_slo, shed_capped, no_workers, speeds_unknown
+(a worker not yet measured: cache affinity and load decide). Details: docs/planner.md.
 """
 from __future__ import annotations
 
@@ -20,10 +21,9 @@ from typing import ClassVar
 
 from kvindex.tiers import Tier
 
-from .base import PREFILL_QUANTILE, TTFT_OFFSET, PolicyBase, check_bool, check_int, check_number, clamp_retry
+from .base import PolicyBase, check_bool, check_number, clamp_retry
 from .cache_aware import CacheAwarePolicy
 from .cost import (
-    COSCHEDULE_SLACK_S,
     INF,
     RequestContext,
     coschedule_load_s,
@@ -35,6 +35,7 @@ from .cost import (
     running_decodes,
     ttft_lower_bound,
 )
+from .kv_cost_tuning import DEFAULT, KVCostTuning
 from .load import at_cap, outstanding_requests
 from .types import Decision, Estimate, RouteRequest, WorkerView
 
@@ -76,57 +77,33 @@ class KVCostPolicy(PolicyBase):
         self,
         *,
         max_ttft_s: float | None = None,
-        tie_margin: float = 0.03,
-        tie_abs_s: float = 0.001,
         balance_eps: float | None = 1.0,
-        balance_slack: float = 2.0,
         prefetch: bool = True,
         peer_pull: bool = True,
-        min_prefetch_blocks: int = 1,
-        all_estimates: bool = False,
+        saturation: bool = True,
         calibrate: bool = True,
-        interference_weight: float = 1.0,
-        interference_slack_s: float = 0.05,
-        coschedule_weight: float = 0.0,
-        coschedule_slack_s: float = COSCHEDULE_SLACK_S,
-        prefill_quantile: float | None = PREFILL_QUANTILE,
-        ttft_offset: bool = TTFT_OFFSET,
-        saturation_band: float | None = 0.3,
-        saturation_abs_s: float = 0.0,
-        saturation_queue_s: float = 2.0,
-        saturation_local_tiers: bool = True,
-        memory_weight: float = 30.0,
-        memory_bound: float = 1.0,
+        _tuning: KVCostTuning = DEFAULT,
     ) -> None:
-        super().__init__(calibrate=calibrate, prefill_quantile=prefill_quantile, ttft_offset=ttft_offset)
-        # Saturation stickiness (docs/planner.md, "Saturation"): when no open worker could
-        # give a first token within saturation_queue_s, scores within saturation_band (relative) +
-        # saturation_abs_s of the best count as equal and the worker holding the most of the
-        # prefix on GPU (with saturation_local_tiers: on GPU, CPU or DISK of its own) wins.
-        # None: off (the plain argmin).
-        self.saturation_band = None if saturation_band is None else check_number(
-            "saturation_band", saturation_band, lo=0.0, hi=10.0)
-        self.saturation_abs_s = check_number("saturation_abs_s", saturation_abs_s, lo=0.0, hi=100.0)
-        self.saturation_queue_s = check_number("saturation_queue_s", saturation_queue_s, lo=0.0)
-        self.saturation_local_tiers = check_bool("saturation_local_tiers", saturation_local_tiers)
-        # GPU memory (cost.memory_seconds): memory_weight x the decode time this request's
-        # new blocks would wait for on a worker whose KV is past memory_bound x capacity.
-        # 0: off.
-        self.memory_weight = check_number("memory_weight", memory_weight, lo=0.0, hi=1000.0)
-        self.memory_bound = check_number("memory_bound", memory_bound, lo=0.0, hi=10.0, lo_open=True)
-        self.coschedule_weight = check_number("coschedule_weight", coschedule_weight, lo=0.0, hi=100.0)
-        self.coschedule_slack_s = check_number("coschedule_slack_s", coschedule_slack_s, lo=0.0, hi=10.0)
-        self.interference_weight = check_number("interference_weight", interference_weight, lo=0.0, hi=100.0)
-        self.interference_slack_s = check_number("interference_slack_s", interference_slack_s, lo=0.0, hi=10.0)
+        """The six settings of docs/planner.md ("Settings"); `_tuning` holds the fixed
+        constants and is for tests and ablations only (the registry never lists it)."""
+        t = _tuning
+        if not isinstance(t, KVCostTuning):
+            raise ValueError(f"_tuning must be a KVCostTuning, got {t!r}")
+        super().__init__(calibrate=calibrate, prefill_quantile=t.prefill_quantile, ttft_offset=t.ttft_offset)
+        self.tuning = t
         self.max_ttft_s = None if max_ttft_s is None else check_number("max_ttft_s", max_ttft_s, lo=0.0, lo_open=True)
-        self.tie_margin = check_number("tie_margin", tie_margin, lo=0.0, hi=1.0)
-        self.tie_abs_s = check_number("tie_abs_s", tie_abs_s, lo=0.0, hi=10.0)
         self.balance_eps = None if balance_eps is None else check_number("balance_eps", balance_eps, lo=0.0)
-        self.balance_slack = check_number("balance_slack", balance_slack, lo=0.0)
         self.prefetch = check_bool("prefetch", prefetch)
         self.peer_pull = check_bool("peer_pull", peer_pull)
-        self.min_prefetch_blocks = check_int("min_prefetch_blocks", min_prefetch_blocks, lo=1)
-        self.all_estimates = check_bool("all_estimates", all_estimates)
+        # The two saturation rules (docs/planner.md, "Saturation"): stickiness to the
+        # worker holding the prompt, and the GPU-memory term; `saturation` false: neither.
+        self.saturation = check_bool("saturation", saturation)
+        self.saturation_band = t.saturation_band if self.saturation else None
+        self.memory_weight = t.memory_weight if self.saturation else 0.0
+        # What fleet.revision_knobs reads: how late a newcomer may start and share a step.
+        self.coschedule_slack_s = t.coschedule_slack_s
+        # Every worker evaluated, none pruned: set on its own copy by explain (explain.py).
+        self.all_estimates = False
         self._affinity = CacheAwarePolicy(calibrate=False)
 
     def choose(self, req: RouteRequest, workers: Sequence[WorkerView]) -> Decision:
@@ -145,7 +122,7 @@ class KVCostPolicy(PolicyBase):
         # Saturated: no open worker could give the first token within saturation_queue_s
         # (the pool is in bound order; held workers serve only under the SLO).
         band = self.saturation_band if self.saturation_band is not None \
-            and split.pool[0].bound >= self.saturation_queue_s else None
+            and split.pool[0].bound >= self.tuning.saturation_queue_s else None
         pool, n_eval = self._evaluate_pool(ctx, split.pool, band)
         best = self._best(pool)
         held = self._evaluate_held(ctx, split, best)
@@ -188,24 +165,24 @@ class KVCostPolicy(PolicyBase):
         if not e.eligible:
             return e
         if self.memory_weight > 0.0:
-            t = memory_seconds(ctx, w, e.matched_blocks.get(Tier.GPU, 0), self.memory_bound)
+            t = memory_seconds(ctx, w, e.matched_blocks.get(Tier.GPU, 0), self.tuning.memory_bound)
             e.t_memory = t
             e.score += self.memory_weight * t
         overlap = self.prefetch and w.supports_prefetch
         loads = w.inflight_loads
-        if loads and self.interference_weight > 0.0:
+        if loads and self.tuning.interference_weight > 0.0:
             t = sum(interference_delays(loads, e.t_queue, e.t_load_total, e.t_prefill, overlap,
-                                        self.interference_slack_s))
+                                        self.tuning.interference_slack_s))
             e.t_interference = t
-            e.score += self.interference_weight * t
+            e.score += self.tuning.interference_weight * t
         starts = w.inflight_starts
-        if starts and self.coschedule_weight > 0.0 and may_coschedule(e, overlap):
+        if starts and self.tuning.coschedule_weight > 0.0 and may_coschedule(e, overlap):
             t = coschedule_seconds(starts, w.cost, e.t_queue, e.recompute_tokens, e.load_blocks * w.cost.block_size,
                                    running_decodes(w), self.coschedule_slack_s, r.prefill_scale,
                                    coschedule_load_s(e, overlap))
             e.t_coschedule = t
             e.t_interference += t
-            e.score += self.coschedule_weight * t
+            e.score += self.tuning.coschedule_weight * t
         return e
 
     def _rows(self, ctx: RequestContext, workers: Sequence[WorkerView]) -> tuple[list[_Row], list[Estimate]]:
@@ -240,7 +217,7 @@ class KVCostPolicy(PolicyBase):
             split = _Split(rows, [], INF)
         else:
             total = sum(r.load for r in rows) + 1
-            limit = math.ceil((1.0 + self.balance_eps) * total / len(rows)) + self.balance_slack
+            limit = math.ceil((1.0 + self.balance_eps) * total / len(rows)) + self.tuning.balance_slack
             split = _Split([r for r in rows if r.load + 1 <= limit], [r for r in rows if r.load + 1 > limit], limit)
             if not split.pool:  # cannot happen with integer loads (see the module doc)
                 split = _Split(split.held, [], limit)
@@ -253,9 +230,9 @@ class KVCostPolicy(PolicyBase):
         """Full estimates in bound order, as far as a worker could still win, tie, be the
         retry target, meet the SLO or fall in the saturation `band` (the pruning of the
         module doc)."""
-        margin, tie_abs = 1.0 + self.tie_margin, self.tie_abs_s
+        margin, tie_abs = 1.0 + self.tuning.tie_margin, self.tuning.tie_abs_s
         if band is not None:
-            margin, tie_abs = max(margin, 1.0 + band), max(tie_abs, self.saturation_abs_s)
+            margin, tie_abs = max(margin, 1.0 + band), max(tie_abs, self.tuning.saturation_abs_s)
         slo = self.max_ttft_s
         # With an SLO, a worker whose own TTFT meets it must be found even when a
         # better-scored one (interference) misses it: keep evaluating while none meets it.
@@ -308,7 +285,7 @@ class KVCostPolicy(PolicyBase):
         """Leading blocks of the prompt this worker holds itself (not what it would pull)."""
         m = e.matched_blocks
         n = m.get(Tier.GPU, 0)
-        if self.saturation_local_tiers:
+        if self.tuning.saturation_local_tiers:
             n += m.get(Tier.CPU, 0) + m.get(Tier.DISK, 0)
         return n
 
@@ -318,7 +295,7 @@ class KVCostPolicy(PolicyBase):
         stays where its conversation's KV already sits in GPU memory (shared with the turn
         still decoding there) instead of taking fresh blocks elsewhere on a queue estimate
         that is seconds off anyway (docs/planner.md, "Saturation")."""
-        bound = _by_score(best) * (1.0 + band) + self.saturation_abs_s
+        bound = _by_score(best) * (1.0 + band) + self.tuning.saturation_abs_s
         slo = self.max_ttft_s
         pick, top = None, max(self._held(best), self._held(chosen))
         for e in pool:
@@ -332,7 +309,7 @@ class KVCostPolicy(PolicyBase):
     def _tie_break(self, pool: list[Estimate], best: Estimate) -> Estimate:
         """Within the tie window of the best score: fewest outstanding, then shortest queue."""
         slo = self.max_ttft_s
-        bound = _by_score(best) * (1.0 + self.tie_margin) + self.tie_abs_s
+        bound = _by_score(best) * (1.0 + self.tuning.tie_margin) + self.tuning.tie_abs_s
         chosen = best
         for e in pool:
             if slo is not None and e.t_ttft > slo:
@@ -361,7 +338,7 @@ class KVCostPolicy(PolicyBase):
         """The pick, asking it to raise [0, k) toward GPU when some of that sits below."""
         below = sum(chosen.prefetch_blocks.values())
         src = chosen.peer_source if Tier.PEER in chosen.prefetch_blocks else None
-        pf = chosen.load_blocks if below and (below >= self.min_prefetch_blocks or src) else 0
+        pf = chosen.load_blocks if below and (below >= self.tuning.min_prefetch_blocks or src) else 0
         return Decision(
             chosen.worker_id,
             self.name,

@@ -10,6 +10,7 @@ import inspect
 from .cache_aware import CacheAwarePolicy
 from .dynamo import DynamoPolicy
 from .kv_cost import KVCostPolicy
+from .kv_cost_tuning import REMOVED
 from .least_loaded import LeastLoadedPolicy
 from .prefix_hash import PrefixHashPolicy
 from .round_robin import RoundRobinPolicy
@@ -40,12 +41,13 @@ def policy_params(name: str) -> dict[str, object]:
 
 
 def _keyword_params(cls: type) -> dict[str, object]:
-    """Keyword-only parameters of `cls.__init__`, plus its parent's when it forwards `**params`."""
+    """Keyword-only parameters of `cls.__init__`, plus its parent's when it forwards `**params`.
+    A leading underscore marks a private one (kv_cost's `_tuning`): never a setting."""
     params = inspect.signature(cls).parameters.values()
     out: dict[str, object] = {}
     if any(p.kind is p.VAR_KEYWORD for p in params):
         out.update(_keyword_params(cls.__mro__[1]))
-    out.update({p.name: p.default for p in params if p.kind is p.KEYWORD_ONLY})
+    out.update({p.name: p.default for p in params if p.kind is p.KEYWORD_ONLY and not p.name.startswith("_")})
     return out
 
 
@@ -63,9 +65,13 @@ def make_policy(name: str, **params: object) -> Policy:
     known = policy_params(name)
     unknown = sorted(set(params) - set(known))
     if unknown:
-        raise ValueError(
-            f"unknown parameter(s) {', '.join(map(repr, unknown))} for policy {name!r}; "
-            f"valid: {', '.join(known) or '(none)'}"
-        )
+        raise ValueError(_unknown_message(name, unknown, known))
     policy: Policy = cls(**params)
     return policy
+
+
+def _unknown_message(name: str, unknown: list[str], known: dict[str, object]) -> str:
+    """Names no policy setting; a former kv_cost setting says what it became."""
+    removed = [f"{n!r} is no longer a setting: {REMOVED[n]}" for n in unknown if n in REMOVED]
+    head = f"unknown parameter(s) {', '.join(map(repr, unknown))} for policy {name!r}"
+    return "; ".join([head, *removed, f"valid: {', '.join(known) or '(none)'}"])
