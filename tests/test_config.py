@@ -156,10 +156,24 @@ def test_unknown_profile_and_policy_fail_clearly() -> None:
         build_config({"models": [{"id": "m", "tokenizer": TOK, "profile": "no-such-profile"}]}, ROOT, environ={})
     with pytest.raises(ConfigError, match=r"routing: .*unknown routing policy 'fastest'; choose one of: round_robin"):
         build_config(_base(routing={"policy": "fastest"}), ROOT, environ={})
-    with pytest.raises(ConfigError, match=r"unknown parameter\(s\) 'tie_margn' for policy 'kv_cost'"):
-        build_config(_base(routing={"params": {"tie_margn": 0.1}}), ROOT, environ={})
-    with pytest.raises(ConfigError, match=r"'tie_margin' must be <= 1.0"):
-        build_config(_base(routing={"params": {"tie_margin": 5}}), ROOT, environ={})
+    with pytest.raises(ConfigError, match=r"unknown parameter\(s\) 'balance_esp' for policy 'kv_cost'"):
+        build_config(_base(routing={"params": {"balance_esp": 0.1}}), ROOT, environ={})
+    with pytest.raises(ConfigError, match=r"'balance_eps' must be >= 0.0"):
+        build_config(_base(routing={"params": {"balance_eps": -5}}), ROOT, environ={})
+
+
+def test_a_former_policy_setting_fails_at_start_naming_its_constant(tmp_path: Path) -> None:
+    """`routing.params` naming a kv_cost setting that became a constant (docs/planner.md,
+    "Settings") is refused by the YAML loader with what became of it."""
+    p = tmp_path / "c.yaml"
+    p.write_text(yaml.safe_dump(_base(routing={"params": {"tie_margin": 0.1}})))
+    with pytest.raises(ConfigError, match=r"'tie_margin' is no longer a setting: it is the fixed constant "
+                                          r"TIE_MARGIN = 0\.03 \(docs/planner\.md, \"Settings\"\)"):
+        load_config(p, environ={})
+    with pytest.raises(ConfigError, match=r"'memory_weight' is no longer a setting.*`saturation: false`"):
+        build_config(_base(routing={"params": {"memory_weight": 0}}), ROOT, environ={})
+    cfg = build_config(_base(routing={"params": {"saturation": False}, "max_ttft_s": 2.0}), ROOT, environ={})
+    assert cfg.routing.policy_kwargs() == {"saturation": False, "max_ttft_s": 2.0}
 
 
 def test_env_overrides_add_workers_to_an_empty_list() -> None:

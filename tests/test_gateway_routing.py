@@ -40,12 +40,13 @@ async def _explain(url: str, body: dict[str, Any]) -> dict[str, Any]:
 
 async def test_explain_shows_the_policy_parameters_in_effect() -> None:
     """Defaults, with what `routing.params` sets over them."""
-    cfg = _cfg(routing={"policy": "kv_cost", "params": {"saturation_band": 0.5}})
+    cfg = _cfg(routing={"policy": "kv_cost", "params": {"saturation": False}})
     async with fleet([FakeWorker("a", DIGEST)], cfg) as (gw, url):
         ex = await _explain(url, {"model": MODEL, "prompt": PROMPT, "max_tokens": 2})
         p = ex["policy_params"]
-        assert ex["policy"] == "kv_cost" and p["saturation_band"] == 0.5
-        assert p["saturation_queue_s"] == 2.0 and p["tie_margin"] == 0.03
+        assert ex["policy"] == "kv_cost" and p["saturation"] is False
+        assert p == {"max_ttft_s": None, "balance_eps": 1.0, "prefetch": True, "peer_pull": True,
+                     "saturation": False, "calibrate": True}
 
 
 async def test_prefetch_sent_for_cpu_blocks_before_forwarding() -> None:

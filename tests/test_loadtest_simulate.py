@@ -133,9 +133,9 @@ def test_tier_specs() -> None:
 
 
 def test_sweep_and_load_search(slice_: object) -> None:
-    jobs = plan_jobs(["round_robin", "kv_cost"], ["gpu", "all"], {"kv_cost": {"tie_margin": 0.05}})
+    jobs = plan_jobs(["round_robin", "kv_cost"], ["gpu", "all"], {"kv_cost": {"balance_eps": 0.5}})
     assert [j.label for j in jobs] == ["round_robin@gpu", "kv_cost@gpu", "round_robin@all", "kv_cost@all"]
-    assert jobs[1].params == {"tie_margin": 0.05}
+    assert jobs[1].params == {"balance_eps": 0.5}
     runs = run_matrix(slice_, _settings(), jobs[:2])  # type: ignore[arg-type]
     assert [r.meta.run for r in runs] == ["round_robin@gpu", "kv_cost@gpu"]
     speed, probes = find_load(slice_, _settings(), ratio=1.5, ladder=(1.0, 4.0))  # type: ignore[arg-type]
@@ -147,13 +147,13 @@ def test_cli_simulate_report_and_errors(tmp_path: Path, capsys: pytest.CaptureFi
     out = tmp_path / "sim"
     rc = main(["simulate", "--trace", MOONCAKE, "--limit", "30", "--workers", "2", "--block-size", "64",
                "--policies", "round_robin,kv_cost", "--out", str(out), "--no-plots",
-               "--param", "kv_cost.tie_margin=0.05"])
+               "--param", "kv_cost.balance_eps=0.5"])
     assert rc == 0
     text = capsys.readouterr().out
     assert "| kv_cost |" in text and "TTFT p50" in text and "slowdown p50" in text and "utilisation" in text
     runs = read_runs(out / "results.jsonl")
     assert [r.meta.run for r in runs] == ["ideal", "round_robin", "kv_cost"]  # the physical limit first
-    assert runs[2].meta.params["policy"] == {"tie_margin": 0.05}
+    assert runs[2].meta.params["policy"] == {"balance_eps": 0.5}
     assert (out / "report.md").exists()
     assert main(["report", str(out / "results.jsonl"), "--out", str(tmp_path / "rep")]) == 0
     assert (tmp_path / "rep" / "ttft_cdf.png").exists()
@@ -162,6 +162,10 @@ def test_cli_simulate_report_and_errors(tmp_path: Path, capsys: pytest.CaptureFi
     assert main(["simulate", "--trace", str(tmp_path / "missing.jsonl")]) == 2
     assert main(["simulate", "--trace", MOONCAKE, "--limit", "5", "--param", "kv_cost.bogus=1",
                  "--policies", "kv_cost"]) == 2
+    capsys.readouterr()
+    assert main(["simulate", "--trace", MOONCAKE, "--limit", "5", "--param", "kv_cost.tie_margin=0.05",
+                 "--policies", "kv_cost"]) == 2  # a former setting, now a constant
+    assert "'tie_margin' is no longer a setting" in capsys.readouterr().err
     assert main(["trace", "stats", "--trace", MOONCAKE, "--limit", "10"]) == 0
     conv = tmp_path / "az.jsonl"
     assert main(["trace", "convert", "--trace", str(AZURE_SLICE),

@@ -11,6 +11,7 @@ import math
 from dataclasses import replace
 
 import pytest
+from tuned import tuned
 
 from kvindex.index import PrefixMatch
 from kvindex.tiers import Tier
@@ -138,11 +139,11 @@ def test_kv_cost_tie_window_includes_the_absolute_slack():
     ws = fleet(2)
     ws[0].running_requests = 3
     r = request(4096, {"w0": pm("w0", (Tier.GPU, 8))})  # w0 a little faster (128 cached tokens)
-    alone = make_policy("kv_cost", tie_margin=0.0, tie_abs_s=0.0).choose(r, ws)
+    alone = tuned("kv_cost", tie_margin=0.0, tie_abs_s=0.0).choose(r, ws)
     assert alone.worker_id == "w0"
     gap = next(e.t_ttft for e in alone.estimates if e.worker_id == "w1") - alone.predicted_ttft
     assert 0.001 < gap < 0.005
-    d = make_policy("kv_cost", tie_margin=0.0, tie_abs_s=0.005).choose(r, ws)
+    d = tuned("kv_cost", tie_margin=0.0, tie_abs_s=0.005).choose(r, ws)
     assert (d.worker_id, d.reason) == ("w1", "tie_less_load")
 
 
@@ -155,15 +156,15 @@ def test_kv_cost_pruning_keeps_workers_inside_the_absolute_tie_window():
     ws[1].running_requests = 3
     r = request(4096, {"w0": pm("w0", (Tier.GPU, 8)), "w1": pm("w1", (Tier.GPU, 8))})
     for params in (dict(tie_margin=0.0, tie_abs_s=0.005), dict(tie_margin=0.0, tie_abs_s=0.0)):
-        fast = make_policy("kv_cost", **params).choose(r, ws)
-        full = make_policy("kv_cost", all_estimates=True, **params).choose(r, ws)
+        fast = tuned("kv_cost", **params).choose(r, ws)
+        full = tuned("kv_cost", all_estimates=True, **params).choose(r, ws)
         assert (fast.worker_id, fast.reason) == (full.worker_id, full.reason)
-    assert make_policy("kv_cost", tie_margin=0.0, tie_abs_s=0.005).choose(r, ws).worker_id == "w2"
+    assert tuned("kv_cost", tie_margin=0.0, tie_abs_s=0.005).choose(r, ws).worker_id == "w2"
     # The window's edge is inside it: three identical idle-queue workers tie exactly, and
     # the last one (fewest outstanding) must still be evaluated to win the tie.
     ws = fleet(3)
     ws[0].running_requests = ws[1].running_requests = 2
-    d = make_policy("kv_cost", tie_margin=0.0, tie_abs_s=0.0, balance_eps=None).choose(request(4096), ws)
+    d = tuned("kv_cost", tie_margin=0.0, tie_abs_s=0.0, balance_eps=None).choose(request(4096), ws)
     assert (d.worker_id, d.reason, len(d.estimates)) == ("w2", "tie_less_load", 3)
 
 
@@ -175,13 +176,13 @@ def test_kv_cost_bounded_load_limit_counts_the_new_request():
     ws = fleet(2)
     ws[0].running_requests, ws[1].running_requests = 1, 2
     r = request(8192, {"w1": pm("w1", (Tier.GPU, 500))})
-    d = make_policy("kv_cost", balance_eps=0.0, balance_slack=0.0).choose(r, ws)
+    d = tuned("kv_cost", balance_eps=0.0, balance_slack=0.0).choose(r, ws)
     assert (d.worker_id, d.reason) == ("w0", "min_ttft")
     held = next(e for e in d.estimates if e.worker_id == "w1")
     assert not held.eligible and "bounded load: 2 outstanding > 1" in held.note
     assert d.ranked == ["w0", "w1"]
     # one more slack request and w1 is back in the pool, where its cache wins
-    d = make_policy("kv_cost", balance_eps=0.0, balance_slack=1.0).choose(r, ws)
+    d = tuned("kv_cost", balance_eps=0.0, balance_slack=1.0).choose(r, ws)
     assert d.worker_id == "w1"
 
 
@@ -191,7 +192,7 @@ def test_kv_cost_prefetch_needs_at_least_min_prefetch_blocks_below_gpu(below, pr
     `min_prefetch_blocks` of them are to be loaded (exactly the minimum counts)."""
     ws = fleet(1)
     r = request(1600, {"w0": pm("w0", (Tier.CPU, below))})
-    d = make_policy("kv_cost", min_prefetch_blocks=3).choose(r, ws)
+    d = tuned("kv_cost", min_prefetch_blocks=3).choose(r, ws)
     assert d.estimates[0].load_blocks == below
     assert d.prefetch_blocks == prefetch
 

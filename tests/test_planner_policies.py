@@ -5,10 +5,13 @@ import collections
 import random
 
 import pytest
+from tuned import tuned
 
 from kvindex.index import PrefixMatch
 from kvindex.tiers import Tier
 from router.planner import POLICY_NAMES, explain, make_policy, policy_params
+from router.planner.kv_cost import KVCostPolicy
+from router.planner.kv_cost_tuning import DEFAULT, REMOVED, KVCostTuning
 from router.planner.types import CostParams, Decision, Link, RouteRequest, WorkerView
 
 B = 16
@@ -58,10 +61,12 @@ def test_registry_names_and_errors():
     # the renamed `oracle` (never a bound) fails with a pointer to its new name
     with pytest.raises(ValueError, match="'oracle' is now kv_cost_true_state"):
         make_policy("oracle")
-    with pytest.raises(ValueError, match="unknown parameter.*'tie_margn'.*valid:.*tie_margin"):
-        make_policy("kv_cost", tie_margn=0.1)
+    with pytest.raises(ValueError, match="unknown parameter.*'balance_esp'.*valid:.*balance_eps"):
+        make_policy("kv_cost", balance_esp=0.1)
+    with pytest.raises(ValueError, match="'balance_eps'"):
+        make_policy("kv_cost", balance_eps=-1)
     with pytest.raises(ValueError, match="'tie_margin'"):
-        make_policy("kv_cost", tie_margin=-1)
+        tuned("kv_cost", tie_margin=-1)
     with pytest.raises(ValueError, match="'vnodes'"):
         make_policy("prefix_hash", vnodes=0)
     with pytest.raises(ValueError, match="'temperature'"):
@@ -69,6 +74,58 @@ def test_registry_names_and_errors():
     with pytest.raises(ValueError, match="'calibrate'"):
         make_policy("round_robin", calibrate=1)
     assert policy_params("kv_cost_true_state")["balance_eps"] is None
+
+
+def test_kv_cost_has_six_settings_and_no_private_one():
+    """Issue "Fewer knobs": six settings, each with a case in docs/planner.md ("Settings");
+    the tuning constants are never listed, for kv_cost or any other policy."""
+    six = {"max_ttft_s", "balance_eps", "prefetch", "peer_pull", "saturation", "calibrate"}
+    assert set(policy_params("kv_cost")) == six
+    assert policy_params("kv_cost_true_state") == {**policy_params("kv_cost"), "balance_eps": None}
+    assert policy_params("round_robin") == policy_params("least_loaded") == {"calibrate": True}
+    assert set(policy_params("prefix_hash")) == {"prefix_blocks", "vnodes", "balance_eps", "calibrate"}
+    assert set(policy_params("cache_aware")) == {
+        "cache_threshold", "balance_abs_threshold", "balance_rel_threshold", "gpu_only", "calibrate"}
+    assert set(policy_params("dynamo")) == {
+        "overlap_score_weight", "temperature", "offload_credit", "seed", "calibrate"}
+    for name in POLICY_NAMES:
+        assert not any(p.startswith("_") for p in policy_params(name))
+
+
+@pytest.mark.parametrize("name", ["kv_cost", "kv_cost_true_state"])
+@pytest.mark.parametrize("knob", sorted(REMOVED))
+def test_a_former_setting_is_refused_with_what_became_of_it(name, knob):
+    with pytest.raises(ValueError, match=rf"'{knob}' is no longer a setting: .*valid: max_ttft_s"):
+        make_policy(name, **{knob: getattr(DEFAULT, knob, True)})
+    with pytest.raises(ValueError, match=r"'_tuning'.*valid:"):
+        make_policy(name, _tuning=DEFAULT)
+
+
+def test_removed_settings_name_their_constant():
+    with pytest.raises(ValueError, match=r"'tie_margin' is no longer a setting: it is the fixed constant "
+                                         r"TIE_MARGIN = 0\.03 \(docs/planner\.md"):
+        make_policy("kv_cost", tie_margin=0.1)
+    with pytest.raises(ValueError, match=r"SATURATION_BAND = 0\.3.*`saturation: false`"):
+        make_policy("kv_cost", saturation_band=0.5)
+    with pytest.raises(ValueError, match="_tuning must be a KVCostTuning"):
+        KVCostPolicy(_tuning={"tie_margin": 0.1})  # type: ignore[arg-type]
+
+
+def test_defaults_are_the_constants_and_saturation_switches_both_rules():
+    """The six settings' defaults and the constants reproduce the former defaults exactly;
+    `saturation` false is the former `saturation_band: null, memory_weight: 0`."""
+    p = make_policy("kv_cost")
+    assert p.tuning == DEFAULT == KVCostTuning(
+        tie_margin=0.03, tie_abs_s=0.001, balance_slack=2.0, min_prefetch_blocks=1, interference_weight=1.0,
+        interference_slack_s=0.05, coschedule_weight=0.0, coschedule_slack_s=0.02, saturation_band=0.3,
+        saturation_abs_s=0.0, saturation_queue_s=2.0, saturation_local_tiers=True, memory_weight=30.0,
+        memory_bound=1.0, prefill_quantile=0.2, ttft_offset=True)
+    assert (p.max_ttft_s, p.balance_eps, p.prefetch, p.peer_pull, p.calibrate) == (None, 1.0, True, True, True)
+    assert (p.saturation_band, p.memory_weight, p.all_estimates) == (0.3, 30.0, False)
+    off = make_policy("kv_cost", saturation=False)
+    assert (off.saturation_band, off.memory_weight) == (None, 0.0)
+    with pytest.raises(ValueError, match="'saturation'"):
+        make_policy("kv_cost", saturation="off")
 
 
 @pytest.mark.parametrize("name", POLICY_NAMES)
@@ -212,7 +269,7 @@ def test_dynamo_temperature_samples_reproducibly():
 
 
 def test_kv_cost_picks_the_worker_holding_the_prefix():
-    p = make_policy("kv_cost", all_estimates=True)
+    p = tuned("kv_cost", all_estimates=True)
     ws = fleet(4)
     r = request(8192, {"w2": pm("w2", (Tier.GPU, 500)), "w1": pm("w1", (Tier.GPU, 100))})
     d = p.choose(r, ws)
@@ -279,8 +336,8 @@ def test_pruned_decisions_equal_full_evaluation(policy):
     rng = random.Random(5)
     for _ in range(400):
         ws, r, params = _random_case(rng)
-        fast = make_policy(policy, **params).choose(r, ws)
-        full = make_policy(policy, all_estimates=True, **params).choose(r, ws)
+        fast = tuned(policy, **params).choose(r, ws)
+        full = tuned(policy, all_estimates=True, **params).choose(r, ws)
         assert (fast.worker_id, fast.reason, fast.prefetch_blocks, fast.prefetch_from_peer) == (
             full.worker_id, full.reason, full.prefetch_blocks, full.prefetch_from_peer,
         )
@@ -318,9 +375,9 @@ def test_saturated_fleet_keeps_a_prompt_where_its_prefix_is_held():
     r = request(8192, {"w0": pm("w0", (Tier.GPU, 400)), "w2": pm("w2", (Tier.GPU, 500))})
     d = make_policy("kv_cost").choose(r, ws)  # w1: 9 s + ~0.2 s of prefill is the argmin
     assert (d.worker_id, d.reason) == ("w0", "saturation_prefix")
-    assert make_policy("kv_cost", saturation_band=None).choose(r, ws).worker_id == "w1"
+    assert tuned("kv_cost", saturation_band=None).choose(r, ws).worker_id == "w1"
     # w2 holds more but is past the band (12.5 s > 1.3 x the best score)
-    assert make_policy("kv_cost", saturation_band=0.5).choose(r, ws).worker_id == "w2"
+    assert tuned("kv_cost", saturation_band=0.5).choose(r, ws).worker_id == "w2"
     # the same spread a hundred times shorter is no saturation: the plain argmin
     for w in ws:
         w.est_queue_s /= 100
@@ -330,7 +387,7 @@ def test_saturated_fleet_keeps_a_prompt_where_its_prefix_is_held():
     ws[0].est_queue_s, ws[1].est_queue_s = 10.0, 9.0
     r = request(8192, {"w0": pm("w0", (Tier.CPU, 400))})
     assert make_policy("kv_cost").choose(r, ws).worker_id == "w0"
-    assert make_policy("kv_cost", saturation_local_tiers=False).choose(r, ws).worker_id == "w1"
+    assert tuned("kv_cost", saturation_local_tiers=False).choose(r, ws).worker_id == "w1"
 
 
 def test_memory_bound_workers_price_the_blocks_a_prompt_would_not_share():
@@ -344,7 +401,7 @@ def test_memory_bound_workers_price_the_blocks_a_prompt_would_not_share():
     d = make_policy("kv_cost").choose(r, ws)
     e = {x.worker_id: x for x in d.estimates}
     assert d.worker_id == "w0" and e["w1"].t_memory > e["w0"].t_memory >= 0.0
-    assert make_policy("kv_cost", memory_weight=0.0).choose(r, ws).worker_id == "w1"
+    assert tuned("kv_cost", memory_weight=0.0).choose(r, ws).worker_id == "w1"
     for w in ws:  # a worker whose block size is unknown (vLLM) gets no memory pricing
         w.gpu_block_tokens = 0
     assert make_policy("kv_cost").choose(r, ws).worker_id == "w1"
@@ -386,7 +443,7 @@ def test_peer_pull_chosen_when_it_wins():
 
 
 def test_near_ties_go_to_less_load():
-    p = make_policy("kv_cost", tie_margin=0.05)
+    p = tuned("kv_cost", tie_margin=0.05)
     ws = fleet(2)
     ws[0].running_requests = 3
     d = p.choose(request(4096), ws)
@@ -395,14 +452,14 @@ def test_near_ties_go_to_less_load():
     r = request(4096, {"w0": pm("w0", (Tier.GPU, 4))})
     d = p.choose(r, ws)
     assert (d.worker_id, d.reason) == ("w1", "tie_less_load")
-    assert make_policy("kv_cost", tie_margin=0.0).choose(r, ws).worker_id == "w0"
+    assert tuned("kv_cost", tie_margin=0.0).choose(r, ws).worker_id == "w0"
 
 
 def _herd(policy_name: str, **params) -> collections.Counter:
     """200 requests sharing a prefix that only w0 holds; load reports never refresh and
     the in-flight token accounting is missing (e.g. another router's traffic), only the
     request counts grow: the queue estimate cannot push back."""
-    p = make_policy(policy_name, **params)
+    p = tuned(policy_name, **params)
     ws = fleet(4)
     r = request(8192, {"w0": pm("w0", (Tier.GPU, 511))})
     got: collections.Counter = collections.Counter()
@@ -434,7 +491,7 @@ def test_shedding_on_slo():
 
 
 def test_slo_beats_balance():
-    p = make_policy("kv_cost", max_ttft_s=0.1, balance_eps=0.0, balance_slack=0.0)
+    p = tuned("kv_cost", max_ttft_s=0.1, balance_eps=0.0, balance_slack=0.0)
     ws = fleet(2)
     ws[0].running_requests = 10  # excluded by the guard, yet the only one fast enough
     ws[1].est_queue_s = 1.0
@@ -451,9 +508,9 @@ def test_long_prompt_avoids_a_worker_whose_load_is_in_flight():
     ws[0].inflight_loads = ((1.0, 0.02),)  # its 119k-token REMOTE load lands in 1 s
     ws[1].est_queue_s = 0.3  # busier, but nothing loading
     long = request(64_000)
-    plain = make_policy("kv_cost", interference_weight=0.0).choose(long, ws)
+    plain = tuned("kv_cost", interference_weight=0.0).choose(long, ws)
     assert plain.worker_id == "w0"  # its own TTFT is lower there
-    p = make_policy("kv_cost", all_estimates=True)
+    p = tuned("kv_cost", all_estimates=True)
     d = p.choose(long, ws)
     e0, e1 = d.estimates
     assert d.worker_id == "w1" and d.predicted_ttft == e1.t_ttft
@@ -466,11 +523,11 @@ def test_long_prompt_avoids_a_worker_whose_load_is_in_flight():
     # a short prompt finishes before the load lands: no delay, w0 wins again
     assert p.choose(request(2048), ws).worker_id == "w0"
     # the weight scales the term: at 0.05 the 0.8 s delay no longer outweighs w1's 0.28 s
-    assert make_policy("kv_cost", interference_weight=0.05).choose(long, ws).worker_id == "w0"
+    assert tuned("kv_cost", interference_weight=0.05).choose(long, ws).worker_id == "w0"
     assert make_policy("kv_cost_true_state").choose(long, ws).worker_id == "w1"
-    assert make_policy("kv_cost_true_state", interference_weight=0.0).choose(long, ws).worker_id == "w0"
+    assert tuned("kv_cost_true_state", interference_weight=0.0).choose(long, ws).worker_id == "w0"
     with pytest.raises(ValueError, match="interference_slack_s"):
-        make_policy("kv_cost", interference_slack_s=-0.1)
+        tuned("kv_cost", interference_slack_s=-0.1)
 
 
 def test_interference_does_not_hide_a_worker_meeting_the_slo():
@@ -478,7 +535,7 @@ def test_interference_does_not_hide_a_worker_meeting_the_slo():
     ws[0].inflight_loads = ((0.5, 0.0),)
     ws[1].est_queue_s = 0.5
     r = request(64_000)
-    own = make_policy("kv_cost", all_estimates=True, interference_weight=0.0).choose(r, ws).estimates
+    own = tuned("kv_cost", all_estimates=True, interference_weight=0.0).choose(r, ws).estimates
     slo = (own[0].t_ttft + own[1].t_ttft) / 2  # only w0 meets it, though w1 scores better
     d = make_policy("kv_cost", max_ttft_s=slo).choose(r, ws)
     assert d.worker_id == "w0" and d.predicted_ttft <= slo

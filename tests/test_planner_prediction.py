@@ -3,6 +3,7 @@ the co-scheduling term (a newcomer sharing the first step of requests not starte
 from __future__ import annotations
 
 import pytest
+from tuned import tuned
 
 from kvindex.tiers import Tier
 from router.planner.calibration import Calibrator
@@ -175,16 +176,16 @@ def test_kv_cost_prices_the_step_it_would_share_when_asked() -> None:
     ws[0].inflight_since_report_prefill_tokens, ws[0].inflight_since_report_requests = 300, 1
     ws[1].est_queue_s = 0.02  # w1 is slightly busier
     r = _req(6000)
-    plain = make_policy("kv_cost", all_estimates=True).choose(r, ws)
+    plain = tuned("kv_cost", all_estimates=True).choose(r, ws)
     assert plain.worker_id == "w0"  # on its own TTFT w0 is better
-    d = make_policy("kv_cost", all_estimates=True, coschedule_weight=1.0).choose(r, ws)
+    d = tuned("kv_cost", all_estimates=True, coschedule_weight=1.0).choose(r, ws)
     assert d.worker_id == "w1"  # but it would hold the short one's first token back
     e0 = d.estimates[0]
     assert e0.t_coschedule == pytest.approx(prefill_seconds(ws[0].cost, 6000, 0)) and e0.t_interference >= \
         e0.t_coschedule
     assert d.predicted_ttft == d.estimates[1].t_ttft  # the prediction stays its own TTFT
     with pytest.raises(ValueError, match="coschedule_weight"):
-        make_policy("kv_cost", coschedule_weight=-1.0)
+        tuned("kv_cost", coschedule_weight=-1.0)
 
 
 def test_kv_cost_prediction_includes_the_learned_offset() -> None:
@@ -200,15 +201,16 @@ def test_kv_cost_prediction_includes_the_learned_offset() -> None:
     assert p.choose(r, ws).predicted_ttft == pytest.approx(before + 0.03, rel=1e-6)
 
 
-def test_calibration_knobs_are_kv_cost_parameters() -> None:
+def test_calibration_constants_reach_the_calibrator() -> None:
+    """PREFILL_QUANTILE and TTFT_OFFSET are constants, not settings; a tuning changes them."""
     p = make_policy("kv_cost")
     assert p.calibrator.prefill_quantile == 0.2 and p.calibrator.ttft_offset
-    old = make_policy("kv_cost", prefill_quantile=None, ttft_offset=False)
+    old = tuned("kv_cost", prefill_quantile=None, ttft_offset=False)
     assert old.calibrator.prefill_quantile is None and not old.calibrator.ttft_offset
     with pytest.raises(ValueError, match="prefill_quantile"):
-        make_policy("kv_cost", prefill_quantile=2.0)
+        tuned("kv_cost", prefill_quantile=2.0)
     with pytest.raises(ValueError, match="ttft_offset"):
-        make_policy("kv_cost", ttft_offset="yes")
+        tuned("kv_cost", ttft_offset="yes")
 
 
 def test_a_slow_first_request_alone_sets_no_offset() -> None:
@@ -264,6 +266,6 @@ def test_a_dispatch_revises_the_requests_it_will_delay_on_that_worker() -> None:
 
 
 def test_revision_knobs_come_from_the_policy_with_defaults_for_the_baselines() -> None:
-    kc = make_policy("kv_cost", prefetch=False, coschedule_slack_s=0.005)
+    kc = tuned("kv_cost", prefetch=False, coschedule_slack_s=0.005)
     assert revision_knobs(kc, "w0") == RevisionKnobs(False, 1.0, 0.005)
     assert revision_knobs(make_policy("round_robin"), "w0") == RevisionKnobs()
