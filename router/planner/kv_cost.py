@@ -119,7 +119,7 @@ class KVCostPolicy(PolicyBase):
             d.estimates = closed
             return d
         split = self._balance(rows)
-        # Saturated: no open worker could give the first token within saturation_queue_s
+        # Saturated: no open worker could give the first token within SATURATION_QUEUE_S
         # (the pool is in bound order; held workers serve only under the SLO).
         band = self.saturation_band if self.saturation_band is not None \
             and split.pool[0].bound >= self.tuning.saturation_queue_s else None

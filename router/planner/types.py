@@ -145,14 +145,14 @@ class Estimate:
     load: float = 0.0  # outstanding requests (what the bounded-load guard and tie-breaks compare)
     # Delay this request would impose on requests already loading on the worker (seconds,
     # summed over them; cost.interference_delays), and what kv_cost ranks by:
-    # t_ttft + interference_weight * t_interference (None = t_ttft: not computed).
+    # t_ttft + INTERFERENCE_WEIGHT * t_interference (None = t_ttft: not computed).
     t_interference: float = 0.0
     score: float | None = None
     # Of t_interference: the part from requests not started yet whose step it would share
     # (cost.coschedule_seconds); the rest is the delay to requests still loading.
     t_coschedule: float = 0.0
     # Decode time its new GPU blocks would wait for on a worker past its KV capacity
-    # (cost.memory_seconds); kv_cost adds memory_weight x this to the score.
+    # (cost.memory_seconds); kv_cost adds MEMORY_WEIGHT x this to the score.
     t_memory: float = 0.0
 
 
@@ -165,8 +165,8 @@ class Decision:
     reason: str
     predicted_ttft: float | None = None
     # Per-worker breakdowns: kv_cost/kv_cost_true_state list the workers they evaluated (all that could
-    # win, tie or be the retry target; every worker with all_estimates=True, as
-    # router.planner.explain does); the baselines none (explain fills them).
+    # win, tie or be the retry target; every worker with their all_estimates attribute set,
+    # as router.planner.explain does); the baselines none (explain fills them).
     estimates: list[Estimate] = field(default_factory=list)
     # What to ask the chosen worker to raise toward GPU before the request arrives.
     prefetch_blocks: int = 0  # leading blocks [0, prefetch_upto) to raise, 0 = none
