@@ -6,7 +6,8 @@ limit, loadtest/ideal.py) with each run's utilisation (prefill busy fraction); h
 rate per tier, recompute avoided, prefetch hidden time; the planner's prediction
 error per run (|actual - predicted| / actual for the chosen worker); and each run
 against its baselines — no routing (`round_robin`, same tiers and mode) and no
-offload (same policy, GPU-only tiers) — as ratios of p50 and p99, not averages alone.
+offload (same policy, GPU-only tiers) — as ratios of p50 and p99, not averages alone;
+with a held-out split (loadtest/holdout.py), each run's fit and judged parts.
 Plots (matplotlib, Agg backend: no display needed): TTFT CDF per run, TTFT
 percentiles per run, prompt tokens served per tier, predicted vs actual TTFT (all
 runs together, and one plot per run).
