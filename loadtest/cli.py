@@ -3,10 +3,10 @@ report, compare, trace.
 
     replay    --trace FILE [--url http://127.0.0.1:8000] [--speed X] [--concurrency N] ...
     simulate  --trace FILE --workers N --profile NAME --policies a,b,... [--tiers T | --tier-sweep]
-              [--target-util U | --find-load] ...
+              [--target-util U | --find-load] [--judge-from F] ...
     scenario  list | all | NAME [--size small|full]
     harden    [--size small|full] [--cases a,b | list] [--out DIR]   (adversarial suite, docs/harden.md)
-    report    RESULTS.jsonl... --out DIR
+    report    RESULTS.jsonl... --out DIR [--judge-from F]
     compare   --trace FILE --policies a,b [--limit N]   (offline simulator vs HTTP replay)
     trace     stats --trace FILE | convert --trace FILE --to OUT.jsonl
     calibrate --url URL --out PROFILE.yaml [--base-profile tiny-cpu]   (a real worker -> a simulator profile)
@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .cliargs import add_trace_args, delay, load_trace, out_dir, policy_params, trace_notes
+from .cliargs import add_judge_arg, add_trace_args, delay, load_trace, out_dir, policy_params, trace_notes
 from .trace import TraceError
 
 # ------------------------------------------------------------------ replay
@@ -88,6 +88,20 @@ def _router_settings(args: argparse.Namespace) -> Any:
     return replace(rs, gateway_order=args.gateway_order, hold_target_s=args.hold_target, max_hold_s=args.max_hold)
 
 
+def _holdout(runs: list[Any], judge_from: float | None, out: Path, notes: list[str]) -> list[Any]:
+    """With --judge-from: both parts of every run (loadtest/holdout.py), written to
+    holdout.json in `out`, and a note saying where the judged part starts."""
+    from .holdout import holdout_summaries, judge_cut_s, write_holdout
+
+    if judge_from is None or not runs:
+        return []
+    parts = holdout_summaries(runs, judge_from)
+    path = write_holdout(parts, judge_from, out / "holdout.json")
+    notes.append(f"held-out split: fit = arrivals before {judge_from:.0%} of the arrival span "
+                 f"({judge_cut_s(runs[0], judge_from):.1f} s), judged = the rest ({path.name})")
+    return parts
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     from router.planner.registry import POLICY_NAMES
 
@@ -95,6 +109,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from .report import (
         baseline_table,
         cache_table,
+        holdout_table,
         latency_table,
         prediction_table,
         slowdown_table,
@@ -175,7 +190,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         f"fleet: {args.workers} x {args.profile}, block size {runs[-1].meta.params.get('block_size')}, "
         f"load poll {args.poll_interval:g} s, event lag {args.event_lag:g} s, prefetch "
         f"{'off' if args.no_prefetch else 'on'}"] + notes
-    md = write_report(runs, out, title=f"Simulation of {trace.name}", notes=notes, plots=not args.no_plots)
+    holdout = _holdout(runs, args.judge_from, out, notes)
+    md = write_report(runs, out, title=f"Simulation of {trace.name}", notes=notes, plots=not args.no_plots,
+                      holdout=holdout)
     print()
     print(latency_table(sums))
     print()
@@ -186,6 +203,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     print(baseline_table(sums))
     print()
     print(cache_table(sums))
+    if holdout:
+        print()
+        print(holdout_table(holdout))
     print(f"\nresults: {res_path}\nreport:  {md}")
     return 0
 
@@ -194,7 +214,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from .report import latency_table, write_report
+    from .report import holdout_table, latency_table, write_report
     from .results import read_runs
     from .summary import summarize
 
@@ -204,8 +224,15 @@ def cmd_report(args: argparse.Namespace) -> int:
     if args.runs:
         keep = set(args.runs.split(","))
         runs = [r for r in runs if r.meta.run in keep]
-    md = write_report(runs, out_dir(args.out, "report"), title=args.title, plots=not args.no_plots)
+    out = out_dir(args.out, "report")
+    out.mkdir(parents=True, exist_ok=True)
+    notes: list[str] = []
+    holdout = _holdout(runs, args.judge_from, out, notes)
+    md = write_report(runs, out, title=args.title, notes=notes, plots=not args.no_plots, holdout=holdout)
     print(latency_table([summarize(r) for r in runs]))
+    if holdout:
+        print()
+        print(holdout_table(holdout))
     print(f"\nreport: {md}")
     return 0
 
@@ -337,6 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(e.g. 0.8, 0.95); every run's utilisation is reported")
     p.add_argument("--load-policy", default="round_robin", help="the reference policy of --target-util")
     p.add_argument("--no-ideal", action="store_true", help="leave out the ideal run (the physical limit)")
+    add_judge_arg(p)
     p.add_argument("--param", action="append", default=[], help="policy parameter: POLICY.NAME=VALUE")
     p.add_argument("--jobs", type=int, default=1, help="simulations in parallel processes")
     p.add_argument("--out", default=None)
@@ -361,6 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None)
     p.add_argument("--title", default="kvroute load test")
     p.add_argument("--runs", default=None, help="comma list of run labels to keep")
+    add_judge_arg(p)
     p.add_argument("--no-plots", action="store_true")
     p.set_defaults(fn=cmd_report)
 

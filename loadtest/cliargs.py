@@ -56,6 +56,27 @@ def positive_float(s: str) -> float:
     return v
 
 
+def judge_fraction(s: str) -> float:
+    """An argparse type: the share of a run's arrival span fitted on before the judged part
+    starts (loadtest/holdout.py), strictly between 0 and 1."""
+    from .holdout import check_fraction
+
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a number") from None
+    try:
+        return check_fraction(v)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_judge_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--judge-from", type=judge_fraction, default=None, metavar="F",
+                   help="held-out evaluation: report each run's requests arriving in the first F of its arrival "
+                        "span (fit) and the rest (judged) apart, in the tables and holdout.json (e.g. 0.6)")
+
+
 def add_trace_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     g = p.add_argument_group("trace")
     g.add_argument("--trace", required=required, help="trace file (Mooncake JSONL, Azure CSV, BurstGPT CSV)")

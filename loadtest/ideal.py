@@ -14,6 +14,12 @@ chunks are at least that many and each costs at least that much (overheads, line
 and attention terms only add; other requests in the same step, decode steps, queueing,
 loads and transport add time), and no engine can hold a block no request issued before
 it (or with it) computed. Per-request slowdown = TTFT / ideal TTFT (>= 1).
+
+Requests every engine refuses as too large (`SimProfile.refusal`: over the model's
+context or the whole GPU pool) end failed here too, with the engine's 400 and message,
+and hold no blocks for later ones: ideal and the policies' percentiles then cover the
+same requests (a refused prompt is among the longest, and counting it put the ideal's
+p99 above what the policies served).
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ from collections.abc import Callable, Iterable, Sequence
 from itertools import groupby
 
 from router.planner.cost import usable_blocks
+from workers.errors import RequestTooLarge
 from workers.sim import SimProfile
 
 from .results import RequestResult, Run, RunMeta
@@ -71,12 +78,18 @@ def ideal_prefill_s(profile: SimProfile, prompt_tokens: int, cached_blocks: int)
     return t
 
 
-def ideal_ttfts(trace: Trace, profile: SimProfile, keys_of: KeysOf) -> list[float]:
-    """Ideal TTFT (seconds) of each request of `trace`, in trace order."""
-    reqs = sorted(trace.requests, key=lambda r: (r.arrival_s, r.index))
+def ideal_ttfts(trace: Trace, profile: SimProfile, keys_of: KeysOf) -> list[float | None]:
+    """Ideal TTFT (seconds) of each request of `trace`, in trace order; None for one the
+    engines refuse (`SimProfile.refusal`), which no later request can reuse either."""
+    reqs = sorted((r for r in trace.requests if _refusal(profile, r) is None), key=lambda r: (r.arrival_s, r.index))
     reuse = reusable_blocks(reqs, keys_of)
     by_index = {r.index: ideal_prefill_s(profile, r.input_length, n) for r, n in zip(reqs, reuse, strict=True)}
-    return [by_index[r.index] for r in trace.requests]
+    return [by_index.get(r.index) for r in trace.requests]
+
+
+def _refusal(profile: SimProfile, r: TraceRequest) -> tuple[str, str] | None:
+    """The engines' refusal of `r` as the simulator sends it (its output length as max_tokens)."""
+    return profile.refusal(r.input_length, r.output_length)
 
 
 def ideal_run(trace: Trace, profile: SimProfile, keys_of: KeysOf, *, speed: float = 1.0, workers: int | None = None,
@@ -84,16 +97,22 @@ def ideal_run(trace: Trace, profile: SimProfile, keys_of: KeysOf, *, speed: floa
     """The ideal as a run of its own (mode "ideal"): reports put it beside the simulated
     runs of the same trace, profile and block size, and divide their TTFTs by it."""
     ttfts = ideal_ttfts(trace, profile, keys_of)
-    c = profile.compute
-    results = []
-    for r, t in zip(trace.requests, ttfts, strict=True):
-        step = c.decode_step_s(1, r.input_length)
-        out = max(r.output_length, 1)
-        results.append(RequestResult(
-            run=label, index=r.index, arrival_s=r.arrival_s / speed, start_s=r.arrival_s / speed, ttft_s=t,
-            tpot_s=step if out > 1 else None, e2e_s=t + (out - 1) * step, prompt_tokens=r.input_length,
-            output_tokens=out, worker="alone",
-        ))
+    results = [_ideal_result(profile, r, t, speed, label) for r, t in zip(trace.requests, ttfts, strict=True)]
     meta = RunMeta(run=label, mode=IDEAL, policy=IDEAL, trace=trace.name, speed=speed, workers=workers,
                    profile=profile.name, tiers=tiers, params={"block_size": profile.block_size})
     return Run(meta, results)
+
+
+def _ideal_result(profile: SimProfile, r: TraceRequest, ttft: float | None, speed: float, label: str) -> RequestResult:
+    """One request alone: its ideal TTFT and batch-1 decode, or the engines' refusal."""
+    at = r.arrival_s / speed
+    if ttft is None:
+        refused = _refusal(profile, r)
+        return RequestResult(run=label, index=r.index, arrival_s=at, start_s=at, prompt_tokens=r.input_length,
+                             status=RequestTooLarge.status, error=refused[1] if refused else "refused")
+    step = profile.compute.decode_step_s(1, r.input_length)
+    out = max(r.output_length, 1)
+    return RequestResult(
+        run=label, index=r.index, arrival_s=at, start_s=at, ttft_s=ttft, tpot_s=step if out > 1 else None,
+        e2e_s=ttft + (out - 1) * step, prompt_tokens=r.input_length, output_tokens=out, worker="alone",
+    )

@@ -6,7 +6,8 @@ limit, loadtest/ideal.py) with each run's utilisation (prefill busy fraction); h
 rate per tier, recompute avoided, prefetch hidden time; the planner's prediction
 error per run (|actual - predicted| / actual for the chosen worker); and each run
 against its baselines — no routing (`round_robin`, same tiers and mode) and no
-offload (same policy, GPU-only tiers) — as ratios of p50 and p99, not averages alone.
+offload (same policy, GPU-only tiers) — as ratios of p50 and p99, not averages alone;
+with a held-out split (loadtest/holdout.py), each run's fit and judged parts.
 Plots (matplotlib, Agg backend: no display needed): TTFT CDF per run, TTFT
 percentiles per run, prompt tokens served per tier, predicted vs actual TTFT (all
 runs together, and one plot per run).
@@ -20,9 +21,10 @@ from typing import Any
 
 import numpy as np
 
+from .holdout import PartSummary
 from .ideal import IDEAL
 from .results import Run
-from .summary import TIERS, RunSummary, ideal_by_index, summarize
+from .summary import TIERS, RunSummary, ideal_key, ideal_maps, summarize
 
 
 def _ms(x: float) -> str:
@@ -53,12 +55,8 @@ def _x(x: float | None) -> str:
 def summaries(runs: Sequence[Run]) -> list[RunSummary]:
     """Every run's summary, with the slowdown against the ideal run of the same trace,
     profile and block size when the runs include one."""
-    ideals = {_ideal_key(r): ideal_by_index(r) for r in runs if r.meta.mode == IDEAL}
-    return [summarize(r, ideals.get(_ideal_key(r))) for r in runs]
-
-
-def _ideal_key(r: Run) -> tuple[str, str | None, object]:
-    return (r.meta.trace, r.meta.profile, r.meta.params.get("block_size"))
+    ideals = ideal_maps(runs)
+    return [summarize(r, ideals.get(ideal_key(r))) for r in runs]
 
 
 def latency_table(sums: Sequence[RunSummary]) -> str:
@@ -113,6 +111,25 @@ def prediction_table(sums: Sequence[RunSummary]) -> str:
                   rows)
 
 
+def holdout_table(parts: Sequence[PartSummary]) -> str:
+    """Each run's fit and judged parts (loadtest/holdout.py): arrivals, TTFT, slowdown and
+    the prediction |error| of each part's own requests."""
+    rows = []
+    for p in parts:
+        s, sl = p.summary, p.summary.slowdown or {}
+        rows.append(
+            [p.run, p.part, f"{p.first_s:.1f}–{p.last_s:.1f}", f"{s.ok}/{s.requests}", _pct(s.utilisation)]
+            + [_ms(s.ttft[k]) for k in ("p50", "p90", "p99", "mean")]
+            + [_x(sl.get(k)) for k in ("p50", "p99", "mean")]
+            + [_pct(s.pred_abs_rel_err_p50), _pct(s.pred_abs_rel_err_p90), _pct(s.pred_bias)]
+        )
+    return _table(
+        ["run", "part", "arrivals s", "ok", "utilisation", "TTFT p50 ms", "p90", "p99", "mean", "slowdown p50",
+         "p99", "mean", "|err| p50", "p90", "bias p50"],
+        rows,
+    )
+
+
 def cache_table(sums: Sequence[RunSummary]) -> str:
     rows = []
     for s in sums:
@@ -151,7 +168,7 @@ def baseline_table(sums: Sequence[RunSummary]) -> str:
 
 
 def markdown(runs: Sequence[Run], title: str = "kvroute load test", notes: Sequence[str] = (),
-             plots: Sequence[str] = ()) -> str:
+             plots: Sequence[str] = (), holdout: Sequence[PartSummary] = ()) -> str:
     sums = summaries(runs)
     parts = [f"# {title}", ""]
     for n in notes:
@@ -174,6 +191,8 @@ def markdown(runs: Sequence[Run], title: str = "kvroute load test", notes: Seque
               "|err| = |actual − predicted| / actual TTFT of the planner's estimate for the worker it chose "
               "(targets: p50 <= 10%, p90 <= 25%); bias = median (predicted − actual) / actual.", "",
               prediction_table(sums)]
+    if holdout:
+        parts += ["", "## Held-out split: fit and judged", "", _HOLDOUT_NOTE, "", holdout_table(holdout)]
     parts += ["", "## Against the baselines (TTFT ratio, < 1 is better)", "", baseline_table(sums)]
     parts += ["", "## Cache and prefetch", "",
               "Hit = share of prompt tokens served from each tier; recompute avoided = share not prefilled; "
@@ -187,6 +206,11 @@ def markdown(runs: Sequence[Run], title: str = "kvroute load test", notes: Seque
         parts += ["", "## Plots", ""]
         parts += [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
     return "\n".join(parts) + "\n"
+
+
+_HOLDOUT_NOTE = ("One simulation of the whole trace; `fit` = the requests arriving in the first part of its "
+                 "arrival span (what the router's online calibration and speed fit learned from), `judged` = the "
+                 "rest, data it had not seen. Tuned or fitted results are judged on `judged` only.")
 
 
 def _fmt(v: object) -> str:
@@ -296,11 +320,12 @@ def _scatter_pred(ax: Any, runs: Sequence[Run], np: Any) -> bool:
 
 
 def write_report(runs: Sequence[Run], out_dir: str | Path, *, title: str = "kvroute load test",
-                 notes: Sequence[str] = (), plots: bool = True) -> Path:
-    """report.md (+ PNGs) in `out_dir`; returns the Markdown path."""
+                 notes: Sequence[str] = (), plots: bool = True, holdout: Sequence[PartSummary] = ()) -> Path:
+    """report.md (+ PNGs) in `out_dir`; returns the Markdown path. `holdout`: the runs'
+    fit and judged parts (loadtest/holdout.py), a section of their own."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     pngs = plot_all(runs, out) if plots and runs else []
     md = out / "report.md"
-    md.write_text(markdown(runs, title, notes, [str(p) for p in pngs]))
+    md.write_text(markdown(runs, title, notes, [str(p) for p in pngs], holdout))
     return md

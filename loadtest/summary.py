@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from .ideal import IDEAL
 from .results import RequestResult, Run
 
 TIERS = ("GPU", "CPU", "DISK", "REMOTE", "PEER")
@@ -45,7 +46,7 @@ class RunSummary:
     requests: int
     ok: int
     errors: dict[str, int]
-    ttft: dict[str, float]  # p50 / p95 / p99 / mean, seconds
+    ttft: dict[str, float]  # p50 / p90 / p95 / p99 / mean, seconds
     tpot: dict[str, float]
     e2e: dict[str, float]
     client_queue_p99: float
@@ -62,7 +63,7 @@ class RunSummary:
     pred_abs_rel_err_p90: float
     pred_bias: float  # median (predicted - actual) / actual: > 0 means over-estimates
     stats: dict[str, Any] = field(default_factory=dict)
-    # TTFT / ideal TTFT per request (p50 / p95 / p99 / mean), when an ideal run is known
+    # TTFT / ideal TTFT per request (p50 / p90 / p95 / p99 / mean), when an ideal run is known
     slowdown: dict[str, float] | None = None
     utilisation: float = float("nan")  # prefill busy fraction of the fleet (module doc)
     pred_requests: int = 0  # requests with a prediction
@@ -70,10 +71,11 @@ class RunSummary:
 
 def _lat(values: list[float]) -> dict[str, float]:
     if not values:
-        return {"p50": float("nan"), "p95": float("nan"), "p99": float("nan"), "mean": float("nan")}
+        return {"p50": float("nan"), "p90": float("nan"), "p95": float("nan"), "p99": float("nan"),
+                "mean": float("nan")}
     a = np.asarray(values, dtype=np.float64)
-    p50, p95, p99 = np.percentile(a, [50, 95, 99])
-    return {"p50": float(p50), "p95": float(p95), "p99": float(p99), "mean": float(a.mean())}
+    p50, p90, p95, p99 = np.percentile(a, [50, 90, 95, 99])
+    return {"p50": float(p50), "p90": float(p90), "p95": float(p95), "p99": float(p99), "mean": float(a.mean())}
 
 
 def prefill_busy_fraction(run: Run) -> float:
@@ -127,6 +129,19 @@ def slowdowns(run: Run, ideal: Mapping[int, float]) -> list[float]:
 
 def ideal_by_index(run: Run) -> dict[int, float]:
     return {r.index: r.ttft_s for r in run.results if r.ttft_s is not None}
+
+
+IdealKey = tuple[str, str | None, object]
+
+
+def ideal_key(run: Run) -> IdealKey:
+    """Which ideal bounds a run: the one of the same trace, profile and block size."""
+    return (run.meta.trace, run.meta.profile, run.meta.params.get("block_size"))
+
+
+def ideal_maps(runs: Sequence[Run]) -> dict[IdealKey, dict[int, float]]:
+    """The ideal runs among `runs` (mode "ideal"), each as request index -> ideal TTFT."""
+    return {ideal_key(r): ideal_by_index(r) for r in runs if r.meta.mode == IDEAL}
 
 
 def summarize(run: Run, ideal: Mapping[int, float] | None = None) -> RunSummary:

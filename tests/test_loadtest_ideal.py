@@ -1,6 +1,8 @@
 """The `ideal` lower bound, the slowdown against it and the utilisation measure."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import msgspec
 import pytest
 
@@ -12,7 +14,7 @@ from loadtest.scenarios.base import sized_profile
 from loadtest.simulate import SimSettings, Simulation
 from loadtest.summary import prefill_busy_fraction, slowdowns, summarize
 from loadtest.sweep import ideal_for
-from loadtest.trace import TraceRequest
+from loadtest.trace import Trace, TraceRequest
 from loadtest.tracefiles import MOONCAKE_SLICE
 from loadtest.traces import load_trace
 from router.planner.registry import POLICY_NAMES
@@ -116,3 +118,42 @@ def test_target_util_search_lands_near_the_target(slice_: object) -> None:
     assert by_speed[0].utilisation <= by_speed[-1].utilisation
     with pytest.raises(ValueError, match="target utilisation"):
         find_util_speed(slice_, settings, 1.2)  # type: ignore[arg-type]
+
+
+def _over_limit_trace() -> Trace:
+    """Request 0 is over the context of `_small_context()`; 1 and 2 repeat its leading blocks."""
+    reqs = [TraceRequest(0, 0.0, 4096, 10, tuple(range(8))),  # 4106 tokens > 4000: every engine refuses it
+            TraceRequest(1, 1.0, 2048, 10, tuple(range(4))),
+            TraceRequest(2, 2.0, 1024, 10, (0, 1))]
+    return Trace("over-limit", 512, reqs)
+
+
+def _small_context() -> SimSettings:
+    profile = replace(sized_profile(gpu_tokens=150_000), max_context_tokens=4000)
+    return SimSettings(fleet=FleetSpec(workers=2, profile=profile, block_size=64))
+
+
+def test_the_ideal_leaves_out_what_the_engines_refuse() -> None:
+    """The refused request fails in the ideal as on the engines (400, same message) and
+    holds no blocks: the next one, which repeats its prefix, computes its whole prompt."""
+    trace, settings = _over_limit_trace(), _small_context()
+    profile = settings.fleet.resolved_profile()
+    ideal = ideal_for(trace, settings)
+    first = ideal.results[0]
+    assert (first.ok, first.status, first.ttft_s) == (False, 400, None)
+    assert first.error is not None and "maximum context length is 4000" in first.error
+    assert ideal.results[1].ttft_s == pytest.approx(ideal_prefill_s(profile, 2048, 0))
+    assert ideal.results[2].ttft_s == pytest.approx(ideal_prefill_s(profile, 1024, 1024 // 64))
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "kv_cost"])
+def test_ideal_and_policies_count_the_same_requests(policy: str) -> None:
+    trace, settings = _over_limit_trace(), _small_context()
+    ideal = ideal_for(trace, settings)
+    run = Simulation(trace, policy, settings).run()
+    assert [r.ok for r in run.results] == [r.ok for r in ideal.results] == [False, True, True]
+    assert run.results[0].error == ideal.results[0].error
+    s_ideal, s_run = summaries([ideal, run])
+    assert (s_ideal.ok, s_ideal.errors) == (s_run.ok, s_run.errors) == (2, {"400": 1})
+    for r, lim in zip(run.results[1:], ideal.results[1:], strict=True):
+        assert r.ttft_s is not None and lim.ttft_s is not None and r.ttft_s >= lim.ttft_s * (1 - 1e-9)

@@ -133,21 +133,10 @@ class SimEngine:
             raise BadRequest("the prompt must have at least one token", param="prompt")
         if M < 1:
             raise BadRequest("max_tokens must be at least 1", param="max_tokens")
-        if P + M > self._max_tokens_ctx:
+        refused = self.profile.refusal(P, M)
+        if refused is not None:
             self.stats.rejected_too_large += 1
-            raise RequestTooLarge(
-                f"this model's maximum context length is {self._max_tokens_ctx} tokens; the request has "
-                f"{P} prompt tokens + {M} max_tokens",
-                param="max_tokens",
-            )
-        need = -(-(P + M) // self.bs)
-        if need > self.kv.capacity:
-            self.stats.rejected_too_large += 1
-            raise RequestTooLarge(
-                f"the request needs {need} KV blocks ({P} prompt + {M} max_tokens tokens) but this worker "
-                f"holds {self.kv.capacity} ({self._capacity_tokens} tokens)",
-                param="prompt",
-            )
+            raise RequestTooLarge(refused[1], param=refused[0])
         if req.request_id in self.sched.jobs:
             raise BadRequest(f"request id {req.request_id!r} is already in flight", param="request_id")
         tokens = req.token_ids

@@ -178,6 +178,21 @@ class SimProfile:
     def gpu_blocks(self) -> int:
         return int(self.memory.kv_bytes // self.block_bytes)
 
+    def refusal(self, prompt_tokens: int, max_tokens: int) -> tuple[str, str] | None:
+        """Why a worker of this profile refuses a request outright as too large (400), as
+        `(param, message)`, or None: prompt + max_tokens over the model's context, or more
+        KV blocks than its whole GPU pool. One rule for the engine (`SimEngine.submit`) and
+        for what must leave out the requests it refuses (the `ideal` bound, loadtest/ideal.py)."""
+        if prompt_tokens + max_tokens > self.max_context_tokens:
+            return ("max_tokens", f"this model's maximum context length is {self.max_context_tokens} tokens; the "
+                    f"request has {prompt_tokens} prompt tokens + {max_tokens} max_tokens")
+        need = -(-(prompt_tokens + max_tokens) // self.block_size)
+        cap = self.gpu_blocks()
+        if need > cap:
+            return ("prompt", f"the request needs {need} KV blocks ({prompt_tokens} prompt + {max_tokens} max_tokens "
+                    f"tokens) but this worker holds {cap} ({cap * self.block_size} tokens)")
+        return None
+
     def tier_blocks(self, spec: TierSpec | None) -> int:
         return 0 if spec is None else int(spec.capacity_bytes // self.block_bytes)
 
