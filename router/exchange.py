@@ -1,23 +1,44 @@
 """One attempt's answer relayed from the connection's callbacks (router/upstream.py).
 
-After the first batch, each network read from our worker is folded into the client's
-format and written in the read's own callback, with no task wakeup per chunk; the
-handler task (router/relay.py) wakes once, at the end. A client write that has to wait
-(flow control) pauses the upstream read until it is done.
+After the first batch, each network read from the worker is folded into what the client
+gets and written in the read's own callback, with no task wakeup per chunk; the handler
+task wakes once, at the end. A client write that has to wait (flow control) pauses the
+upstream read until it is done. What "folding" means is the relay's (`Fold`): our
+workers' chunks rebuilt in the client's format (router/relay.py), or a vLLM worker's
+events passed on as they came (router/passthrough.py).
 """
 from __future__ import annotations
 
 import asyncio
 import time
 from collections.abc import Callable, Coroutine
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .attempt import Attempt, Out, Result
-from .proxy import UpstreamError, sse_payloads
-from .upstream import Conn
+from .proxy import UpstreamError
+from .upstream import Conn, UpstreamPool
+from .worker import Worker
 
 if TYPE_CHECKING:
-    from .relay import Relay, Render
+    from .prepare import Prepared
+    from .relay import Render
+
+
+class Fold(Protocol):
+    """How a relay reads a worker's stream."""
+
+    def streams(self, status: int, content_type: bytes) -> bool:
+        """Whether this answer is a stream to relay event by event (else it is read whole)."""
+        ...
+
+    def split(self, rest: bytes, data: bytes, worker_id: str) -> tuple[list[bytes], bytes, bool]:
+        """The complete events in `rest + data`, what is left over, and whether the stream ended."""
+        ...
+
+    def absorb(self, res: Result, batch: list[bytes], prep: Prepared,
+               render: Render | None) -> tuple[str | None, list[bytes]]:
+        """Fold events into `res`: (an error the worker reported, or None; the client's parts)."""
+        ...
 
 
 class ClientStream:
@@ -53,7 +74,7 @@ class ClientStream:
         return coro, waits_on
 
 
-_MAX_ERR_BODY = 1 << 20
+_MAX_WHOLE_BODY = 1 << 20  # an error body, or a whole answer where a stream was asked for
 
 
 class Exchange:
@@ -62,12 +83,12 @@ class Exchange:
     is folded and written to the client right in the connection's callback, and the task
     wakes once, at the end. Same SSE reading, errors and timeouts as UpstreamStream."""
 
-    __slots__ = ("relay", "a", "wid", "loop", "conn", "task", "aborted", "status", "head_fut", "whole_fut",
-                 "err_body", "rest", "pending", "done", "error", "waiter", "res", "out", "render", "end", "writer",
-                 "backlog", "idle_s", "total_s", "deadline", "last", "timer", "finished", "translate")
+    __slots__ = ("fold", "a", "wid", "loop", "conn", "task", "aborted", "status", "streaming", "head_fut",
+                 "whole_fut", "err_body", "rest", "pending", "done", "error", "waiter", "res", "out", "render", "end",
+                 "writer", "backlog", "idle_s", "total_s", "deadline", "last", "timer", "finished", "translate")
 
-    def __init__(self, relay: Relay, a: Attempt, idle_s: float, total_s: float) -> None:
-        self.relay = relay
+    def __init__(self, fold: Fold, a: Attempt, idle_s: float, total_s: float) -> None:
+        self.fold = fold
         self.a = a
         self.wid = a.worker.id
         self.loop = asyncio.get_running_loop()
@@ -75,6 +96,7 @@ class Exchange:
         self.task: asyncio.Task[Any] | None = None  # cancelled by an abort while connecting
         self.aborted = False
         self.status: int | None = None
+        self.streaming = False  # the answer is a stream (Fold.streams); else read whole into err_body
         self.head_fut: asyncio.Future[int] = self.loop.create_future()
         self.whole_fut: asyncio.Future[None] = self.loop.create_future()
         self.err_body = bytearray()
@@ -101,13 +123,17 @@ class Exchange:
 
     def head(self, status: int) -> None:
         self.status = status
+        self.streaming = self.fold.streams(status, self.conn.content_type if self.conn is not None else b"")
         if not self.head_fut.done():
             self.head_fut.set_result(status)
 
     def body(self, data: bytes) -> None:
-        if self.status != 200:
-            if len(self.err_body) < _MAX_ERR_BODY:
+        if not self.streaming:
+            if len(self.err_body) + len(data) <= _MAX_WHOLE_BODY:
                 self.err_body += data
+            elif self.status == 200:  # an answer cut short must not pass for whole
+                self._fail(UpstreamError(f"worker {self.wid} sent an answer over {_MAX_WHOLE_BODY} bytes", True,
+                                         phase="first"))
             return
         if self.done or self.error is not None:
             return
@@ -129,7 +155,7 @@ class Exchange:
         self._fold(payloads)
 
     def complete(self) -> None:
-        if self.status != 200:
+        if not self.streaming:
             if not self.whole_fut.done():
                 self.whole_fut.set_result(None)
         elif not self.done:
@@ -141,7 +167,7 @@ class Exchange:
                 self._fail(UpstreamError(f"worker {self.wid} was declared unhealthy before it answered", True))
             else:
                 self._fail(UpstreamError(f"worker {self.wid} failed: {type(exc).__name__}: {exc}", True))
-        elif self.status != 200:
+        elif not self.streaming:
             if not self.whole_fut.done():
                 self.err_body.clear()  # as a failed read of the error body: its status alone is relayed
                 self.whole_fut.set_result(None)
@@ -208,7 +234,8 @@ class Exchange:
             self.writer.cancel()
         c, self.conn = self.conn, None
         if c is not None:
-            clean = self.error is None and (self.done or (self.status not in (None, 200) and self.whole_fut.done()))
+            clean = self.error is None and (self.done or (self.status is not None and not self.streaming
+                                                          and self.whole_fut.done()))
             if clean:
                 c.release()
             else:
@@ -234,7 +261,7 @@ class Exchange:
         return True
 
     def _payloads(self, data: bytes) -> list[bytes]:
-        out, self.rest, done = sse_payloads(self.rest, data, self.wid)
+        out, self.rest, done = self.fold.split(self.rest, data, self.wid)
         self.done = self.done or done
         return out
 
@@ -243,7 +270,7 @@ class Exchange:
         assert end is not None and self.out is not None
         if end.done():
             return
-        err, parts = self.relay._absorb(self.res, payloads, self.a.prep, self.render)
+        err, parts = self.fold.absorb(self.res, payloads, self.a.prep, self.render)
         if err is not None or self.done:
             end.set_result((err, parts))
             return
@@ -329,3 +356,56 @@ async def _resume(coro: Coroutine[Any, Any, None], waits_on: Any) -> None:
     except BaseException:
         coro.close()
         raise
+
+
+async def open_exchange(upstream: UpstreamPool, ex: Exchange, key: tuple[str, int], head: bytes, body: bytes,
+                        first_s: float, accepted: Callable[[], None]) -> list[bytes] | None:
+    """Send the request and wait for the status line and, for a stream, its first batch,
+    all within `first_s` (until then every failure is retryable elsewhere). Returns that
+    batch; None when the answer is not a stream: it was read whole (`ex.status`,
+    `ex.err_body`). `accepted` runs once a stream's status line came."""
+    w = ex.a.worker
+    task = asyncio.current_task()
+    try:
+        async with asyncio.timeout(first_s):
+            conn = await _connect(upstream, key, w, ex, task)
+            ex.conn = conn
+            conn.send(head, body, ex)
+            await ex.head_fut
+            if not ex.streaming:
+                await ex.whole_fut
+                return None
+            accepted()
+            try:
+                return await ex.next_batch()
+            except UpstreamError as e:  # before the first chunk: retryable elsewhere
+                e.retryable = True
+                if e.phase == "stream":
+                    e.phase = "first"
+                raise
+    except TimeoutError:
+        what = "response" if ex.status is None else "first byte"
+        raise UpstreamError(f"worker {w.id}: no {what} within {first_s:.0f} s", True,
+                            phase="first_byte_timeout") from None
+    except asyncio.CancelledError:
+        if ex.aborted and task is not None and task.uncancel() == 0:
+            raise UpstreamError(f"worker {w.id} was declared unhealthy before it answered", True) from None
+        raise
+
+
+async def _connect(upstream: UpstreamPool, key: tuple[str, int], w: Worker, ex: Exchange,
+                   task: asyncio.Task[Any] | None) -> Conn:
+    """A keep-alive connection; a worker too busy to accept one in time is slow, not dead
+    (`connect_timeout`, which the breaker does not count)."""
+    ex.task = task  # an abort while connecting cancels the wait
+    try:
+        return await upstream.get(key)
+    except ConnectionRefusedError as e:
+        raise UpstreamError(f"worker {w.id} unreachable: {e}", True, fatal=True) from None
+    except TimeoutError:
+        raise UpstreamError(f"worker {w.id} did not accept the connection within {upstream.connect_timeout_s} s",
+                            True, phase="connect_timeout") from None
+    except OSError as e:
+        raise UpstreamError(f"worker {w.id} unreachable: {type(e).__name__}: {e}", True) from None
+    finally:
+        ex.task = None

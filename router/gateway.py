@@ -134,7 +134,7 @@ class Gateway:
         self.relay = Relay(self.session, self.pool, self.observer, cfg.pool)
         self.pool.probe.upstream = self.relay.upstream  # keep-alive polls, closed with the relay
         self.pool.network = network_policy(cfg.admin)
-        self.passthrough = PassThrough(self.session, self.pool, self.observer, cfg.pool)
+        self.passthrough = PassThrough(self.session, self.pool, self.observer, cfg.pool, self.relay.upstream)
         self.membership = Membership(self.pool)
         await self.membership.set_static(cfg.workers, "config")
         if cfg.discovery:

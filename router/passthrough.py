@@ -14,18 +14,24 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import msgspec
 
 from .attempt import JSON_HEADERS, SSE_HEADERS, Attempt, Out, Result
 from .config import PoolConfig
+from .exchange import ClientStream, Exchange, open_exchange
 from .observe import Observer
 from .pool import WorkerPool
-from .proxy import UpstreamError, post, read_within
+from .proxy import UpstreamError, post, read_within, status_error
 from .responses import SSE_DONE, STREAM_FAILED, sse_error
+from .upstream import UpstreamPool, request_head
 from .worker import Worker
+
+if TYPE_CHECKING:
+    from .prepare import Prepared
+    from .relay import Render
 
 log = logging.getLogger("kvroute.passthrough")
 _enc = msgspec.json.Encoder()
@@ -43,8 +49,11 @@ _check_json = msgspec.json.Decoder(_AnyObject).decode
 
 class PassThrough:
     def __init__(self, session: aiohttp.ClientSession, pool: WorkerPool, observer: Observer,
-                 timeouts: PoolConfig) -> None:
+                 timeouts: PoolConfig, upstream: UpstreamPool | None = None) -> None:
         self.session = session
+        # Streams to plain-http workers go through router/upstream.py (callbacks, no task
+        # wakeup per event); whole answers and other URLs through aiohttp.
+        self.upstream = upstream
         self.pool = pool
         self.observer = observer
         self.timeouts = timeouts
@@ -73,6 +82,8 @@ class PassThrough:
     async def run(self, a: Attempt, out: Out) -> int:
         """Relay one attempt; raises UpstreamError (retryable) before the first byte."""
         w = a.worker
+        if a.prep.stream and w.fast_key is not None and self.upstream is not None:
+            return await self._run_fast(a, out, w.fast_key, self.upstream)
         path = "/v1/chat/completions" if a.prep.chat else "/v1/completions"
         headers = {"content-type": "application/json", "x-request-id": a.prep.request_id,
                    "accept": "text/event-stream" if a.prep.stream else "application/json"}
@@ -94,24 +105,100 @@ class PassThrough:
         finally:
             resp.release()
 
+    async def _run_fast(self, a: Attempt, out: Out, key: tuple[str, int], upstream: UpstreamPool) -> int:
+        """A stream over router/upstream.py: the same phases, failures and bytes as the
+        aiohttp path, but after the first events each network read is written to the
+        client in the connection's callback."""
+        prep = a.prep
+        t = self.timeouts
+        body = self.payload(a)
+        rid = prep.request_id
+        extra = b"x-request-id: " + rid.encode() + b"\r\n" if rid.isascii() else b""
+        head = request_head(key[0], key[1], "/v1/chat/completions" if prep.chat else "/v1/completions", len(body),
+                            extra)
+        ex = Exchange(PassFold(not prep.include_usage), a, t.idle_timeout_s, t.request_timeout_s)
+        a.t_dispatch = time.monotonic()
+        a.rec.ticket.abort = ex.abort
+        try:
+            batch = await open_exchange(upstream, ex, key, head, body, t.first_byte_s(a.predicted),
+                                        lambda: self.pool.accepted(a.rec))
+            if batch is None:
+                return await self._answered_whole(a, ex, out)
+            return await self._stream_fast(a, ex, batch, out)
+        finally:
+            ex.finish()
+            a.rec.ticket.abort = None  # no cycle ticket -> exchange -> attempt -> ticket left
+
+    async def _answered_whole(self, a: Attempt, ex: Exchange, out: Out) -> int:
+        """A stream asked for, a whole answer given: the worker's own 4xx, or a 200 body."""
+        status = ex.status or 0
+        body = bytes(ex.err_body)
+        retryable = status in (408, 429, 503) or status >= 500
+        if status != 200 and not (400 <= status < 500 and not retryable):
+            raise status_error(a.worker.id, status, body, retryable)
+        conn = ex.conn
+        ctype = conn.content_type.decode("latin-1") if conn is not None and conn.content_type else ""
+        if status != 200:
+            self.pool.accepted(a.rec)
+            return await self._error_body(a, status, ctype, body, out)
+        return await self._whole_body(a, ctype, body, out)
+
+    async def _stream_fast(self, a: Attempt, ex: Exchange, batch: list[bytes], out: Out) -> int:
+        w, res = a.worker, ex.res
+        err, parts = ex.fold.absorb(res, batch, a.prep, None)
+        if err is not None:
+            raise UpstreamError(f"worker {w.id} sent {err}", True, phase="first")
+        res.t_first = time.monotonic()
+        self.pool.first_token(a.rec)
+        w.served += 1
+        stream = ClientStream(out, SSE_HEADERS + a.route_headers())
+        try:
+            if not ex.done:
+                await stream.flush(parts)
+                err, parts = await ex.stream(stream, None)
+                if err is not None:
+                    await stream.flush(parts)
+                    raise UpstreamError(f"worker {w.id} sent {err}", False, phase="stream")
+        except UpstreamError as e:
+            await self._failed_mid_stream(a, e, res, stream)
+            return 200
+        await stream.flush(parts, more=False)
+        self.observer.done(a, res, True)
+        return 200
+
+    async def _failed_mid_stream(self, a: Attempt, e: UpstreamError, res: Result, stream: ClientStream) -> None:
+        """After the first byte: an explicit SSE error event, never a silent truncation."""
+        m = self.observer.metrics
+        m.child(m.upstream_errors, a.worker.id, "stream").inc()
+        log.warning("request %s: worker %s failed after the first byte: %s", a.prep.rid, a.worker.id, e)
+        await stream.flush([sse_error(STREAM_FAILED, "upstream_error", "worker_failed", a.prep.rid) + SSE_DONE],
+                           more=False)
+        self.observer.done(a, res, False)
+
     async def _relay_error(self, a: Attempt, resp: aiohttp.ClientResponse, out: Out) -> int:
         """The worker's own 4xx, as it sent it (the client's request was wrong for it)."""
         body = await _read(resp, a.worker)
+        return await self._error_body(a, resp.status, resp.headers.get("content-type") or "", body, out)
+
+    async def _error_body(self, a: Attempt, status: int, ctype: str, body: bytes, out: Out) -> int:
         self.pool.first_token(a.rec)
-        await out.start(resp.status, _content_type(resp, JSON_HEADERS) + a.route_headers())
+        await out.start(status, _content_type(ctype, JSON_HEADERS) + a.route_headers())
         await out.body(body)
-        return resp.status
+        return status
 
     async def _relay_whole(self, a: Attempt, resp: aiohttp.ClientResponse, out: Out) -> int:
         body = await _read_whole(resp, a.worker, self.timeouts.idle_timeout_s)
-        if resp.content_type == "application/json" and not _is_json(body):
+        return await self._whole_body(a, resp.headers.get("content-type") or "", body, out)
+
+    async def _whole_body(self, a: Attempt, ctype: str, body: bytes, out: Out) -> int:
+        if ctype.split(";", 1)[0].strip().lower() == "application/json" and not _is_json(body):
             raise UpstreamError(f"worker {a.worker.id} answered 200 with a body that is not JSON", True,
                                 phase="first")
         self.pool.first_token(a.rec)
         a.worker.served += 1
         res = Result(t_last=time.monotonic())
         res.usage = _usage_of(body)
-        await out.start(200, _content_type(resp, JSON_HEADERS) + a.route_headers())
+        await out.start(200, _content_type(ctype, JSON_HEADERS) + a.route_headers())
         await out.body(body)
         self.observer.done(a, res, True)
         return 200
@@ -130,11 +217,9 @@ class PassThrough:
         try:
             await relay.rest(resp)
         except UpstreamError as e:
-            m = self.observer.metrics
-            m.child(m.upstream_errors, a.worker.id, "stream").inc()
-            log.warning("request %s: worker %s failed after the first byte: %s", a.prep.rid, a.worker.id, e)
-            await out.body(sse_error(STREAM_FAILED, "upstream_error", "worker_failed", a.prep.rid) + SSE_DONE)
-            self.observer.done(a, res, False)
+            stream = ClientStream(out, [])
+            stream.started = True
+            await self._failed_mid_stream(a, e, res, stream)
             return 200
         self.observer.done(a, res, True)
         return 200
@@ -148,9 +233,9 @@ class _StreamRelay:
         self.a = a
         self.res = res
         self.out = out
-        self.drop_usage = drop_usage
         self.rest_buf = b""
         self.done = False
+        self.fold = PassFold(drop_usage)
         self.timeout_s = first_timeout_s  # until the first event, then `idle_timeout_s`
         self.idle_timeout_s = idle_timeout_s
 
@@ -190,30 +275,59 @@ class _StreamRelay:
 
     def _events(self, data: bytes) -> list[bytes]:
         """Complete events of this read, each with its separator, minus a dropped usage event."""
-        buf = self.rest_buf + data if self.rest_buf else data
+        events, self.rest_buf, done = self.fold.split(self.rest_buf, data, self.a.worker.id)
+        self.done = self.done or done
+        err, parts = self.fold.absorb(self.res, events, self.a.prep, None)
+        if err is not None:
+            raise UpstreamError(f"worker {self.a.worker.id} sent {err}", False, phase="stream")
+        return parts
+
+
+class PassFold:
+    """A vLLM worker's stream as it wrote it (exchange.Fold): events split at their blank
+    line and passed on whole; only those that carry usage are parsed (the usage-only
+    event the gateway asked for is dropped when the client did not ask for it)."""
+
+    __slots__ = ("drop_usage",)
+
+    def __init__(self, drop_usage: bool) -> None:
+        self.drop_usage = drop_usage
+
+    def streams(self, status: int, content_type: bytes) -> bool:
+        return status == 200 and content_type.lower().startswith(b"text/event-stream")
+
+    def split(self, rest: bytes, data: bytes, worker_id: str) -> tuple[list[bytes], bytes, bool]:
+        buf = rest + data if rest else data
         if len(buf) > _MAX_EVENT:
-            raise UpstreamError(f"worker {self.a.worker.id} sent an oversized event", False, phase="stream")
-        *events, self.rest_buf = buf.split(b"\n\n")
-        out = []
-        now = time.monotonic()
+            raise UpstreamError(f"worker {worker_id} sent an oversized event", False, phase="stream")
+        *events, rest = buf.split(b"\n\n")
+        out: list[bytes] = []
         for ev in events:
-            if not ev:
-                continue
+            if ev:
+                out.append(ev)
+                if ev.startswith(b"data: [DONE]") or ev.startswith(b"data:[DONE]"):
+                    return out, rest, True
+        return out, rest, False
+
+    def absorb(self, res: Result, batch: list[bytes], prep: Prepared,
+               render: Render | None) -> tuple[str | None, list[bytes]]:
+        parts: list[bytes] = []
+        now = time.monotonic()
+        for ev in batch:
             if ev.startswith(b"data: [DONE]") or ev.startswith(b"data:[DONE]"):
-                self.done = True
+                pass
             elif ev.startswith(b"data:") and not _is_json(_data_of(ev)):
-                raise UpstreamError(f"worker {self.a.worker.id} sent an event that is not JSON", False,
-                                    phase="stream")
+                return "an event that is not JSON", parts
             elif b'"usage"' in ev and not any(u in ev for u in _USAGE_NULL):
-                if self._usage_event(ev):
+                if self._usage_event(res, ev):
                     continue
             else:
-                self.res.chunks += 1
-                self.res.t_last = now
-            out.append(ev + b"\n\n")
-        return out
+                res.chunks += 1
+                res.t_last = now
+            parts.append(ev + b"\n\n")
+        return None, parts
 
-    def _usage_event(self, ev: bytes) -> bool:
+    def _usage_event(self, res: Result, ev: bytes) -> bool:
         """Take the usage; True when the event is the usage-only one to drop."""
         payload = ev.split(b"data:", 1)[-1].strip()
         try:
@@ -222,9 +336,9 @@ class _StreamRelay:
             return False
         if not isinstance(d, dict) or not isinstance(d.get("usage"), dict):
             return False
-        self.res.usage = d["usage"]
+        res.usage = d["usage"]
         if d.get("choices"):
-            self.res.chunks += 1
+            res.chunks += 1
             return False
         return self.drop_usage
 
@@ -257,8 +371,7 @@ async def _read_whole(resp: aiohttp.ClientResponse, w: Worker, idle_s: float) ->
     return b"".join(chunks)
 
 
-def _content_type(resp: aiohttp.ClientResponse, default: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-    ct = resp.headers.get("content-type")
+def _content_type(ct: str, default: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
     return [(b"content-type", ct.encode("latin-1"))] if ct else list(default)
 
 

@@ -8,7 +8,6 @@ instead (router/passthrough.py); both hand their result to router/observe.py.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -21,11 +20,11 @@ from yarl import URL
 from .attempt import JSON_HEADERS, SSE_HEADERS, Attempt, Out, Result
 from .config import PoolConfig
 from .errors import ApiError
-from .exchange import ClientStream, Exchange
+from .exchange import ClientStream, Exchange, open_exchange
 from .observe import Observer
 from .pool import WorkerPool
 from .prepare import Prepared
-from .proxy import JSON_SSE, UpstreamError, UpstreamStream, open_stream, status_error
+from .proxy import JSON_SSE, UpstreamError, UpstreamStream, open_stream, sse_payloads, status_error
 from .responses import (
     SSE_DONE,
     STREAM_FAILED,
@@ -39,7 +38,7 @@ from .responses import (
     usage_chunk,
 )
 from .schema import up_chunk_decoder
-from .upstream import Conn, UpstreamPool, request_head
+from .upstream import UpstreamPool, request_head
 from .worker import Worker
 
 log = logging.getLogger("kvroute.relay")
@@ -120,7 +119,7 @@ class Relay:
         res.t_first = time.monotonic()
         self.pool.first_token(a.rec)
         w.served += 1
-        err, parts = self._absorb(res, batch, a.prep, render)
+        err, parts = self.absorb(res, batch, a.prep, render)
         if err is not None and not res.text:
             raise UpstreamError(f"worker {w.id} sent an error: {err}", True, phase="first")
         if err is not None:
@@ -141,7 +140,7 @@ class Relay:
         try:
             if err is None:
                 async for batch in batches:
-                    err, parts = self._absorb(res, batch, prep, render)
+                    err, parts = self.absorb(res, batch, prep, render)
                     if err is not None:
                         break
                     if parts and not up.done:
@@ -192,60 +191,25 @@ class Relay:
         client's stream in the connection's callback (no task wakeup per chunk)."""
         prep, w = a.prep, a.worker
         t = self.timeouts
-        first_s = t.first_byte_s(a.predicted)
         rid = prep.request_id
         extra = b"" if rid == prep.rid or not rid.isascii() else b"x-request-id: " + rid.encode() + b"\r\n"
         body = self.payload(prep, w)
         head = request_head(key[0], key[1], "/v1/completions", len(body), extra)
         ex = Exchange(self, a, t.idle_timeout_s, t.request_timeout_s)
-        task = asyncio.current_task()
         a.rec.ticket.abort = ex.abort
         try:
-            try:
-                async with asyncio.timeout(first_s):  # the status line and the first event share it
-                    conn = await self._connect(key, w, ex, task)
-                    ex.conn = conn
-                    conn.send(head, body, ex)
-                    status = await ex.head_fut
-                    if status != 200:
-                        await ex.whole_fut
-                        retryable = status in (408, 429, 503) or status >= 500
-                        raise status_error(w.id, status, bytes(ex.err_body), retryable)
-                    self.pool.accepted(a.rec)
-                    try:
-                        batch = await ex.next_batch()
-                    except UpstreamError as e:  # before the first chunk: retryable elsewhere
-                        e.retryable = True
-                        if e.phase == "stream":
-                            e.phase = "first"
-                        raise
-            except TimeoutError:
-                if ex.status is None:
-                    raise UpstreamError(f"worker {w.id}: no response within {first_s:.0f} s", True,
-                                        phase="first_byte_timeout") from None
-                raise UpstreamError(f"worker {w.id}: no first byte within {first_s:.0f} s", True,
-                                    phase="first_byte_timeout") from None
-            except asyncio.CancelledError:
-                if ex.aborted and task is not None and task.uncancel() == 0:
-                    raise UpstreamError(f"worker {w.id} was declared unhealthy before it answered", True) from None
-                raise
+            batch = await open_exchange(self.upstream, ex, key, head, body, t.first_byte_s(a.predicted),
+                                        lambda: self.pool.accepted(a.rec))
+            if batch is None:
+                status = ex.status or 0
+                retryable = status in (408, 429, 503) or status >= 500
+                raise status_error(w.id, status, bytes(ex.err_body), retryable)
             return await self._relay_fast(a, ex, batch, out)
         finally:
             ex.finish()
             # Finished, `ex.abort` does nothing; unset, the request's objects are freed now
             # instead of by the cycle collector (ticket -> exchange -> attempt -> ticket).
             a.rec.ticket.abort = None
-
-    async def _connect(self, key: tuple[str, int], w: Worker, ex: Exchange, task: asyncio.Task[Any] | None) -> Conn:
-        ex.task = task  # an abort while connecting cancels the wait
-        try:
-            return await self.upstream.get(key)
-        except ConnectionRefusedError as e:
-            raise UpstreamError(f"worker {w.id} unreachable: {e}", True, fatal=True) from None
-        except (TimeoutError, OSError) as e:
-            raise UpstreamError(f"worker {w.id} unreachable: {type(e).__name__}: {e}", True) from None
-        finally:
-            ex.task = None
 
     async def _relay_fast(self, a: Attempt, ex: Exchange, batch: list[bytes], out: Out) -> int:
         prep, w = a.prep, a.worker
@@ -258,7 +222,7 @@ class Relay:
         res.t_first = time.monotonic()
         self.pool.first_token(a.rec)
         w.served += 1
-        err, parts = self._absorb(res, batch, prep, render)
+        err, parts = self.absorb(res, batch, prep, render)
         if err is not None and not res.text:
             raise UpstreamError(f"worker {w.id} sent an error: {err}", True, phase="first")
         stream, parts = await _start_client(a, out, parts, err is not None or not ex.done)
@@ -271,7 +235,16 @@ class Relay:
             return await self._failed_mid_stream(a, e, res, stream)
         return await self._succeeded(a, res, stream, parts)
 
-    def _absorb(
+    # ---------------------------------------------------------------- exchange.Fold
+
+    def streams(self, status: int, content_type: bytes) -> bool:
+        """Our workers answer 200 with a stream, anything else with an error body."""
+        return status == 200
+
+    def split(self, rest: bytes, data: bytes, worker_id: str) -> tuple[list[bytes], bytes, bool]:
+        return sse_payloads(rest, data, worker_id)
+
+    def absorb(
         self, res: Result, batch: list[bytes], prep: Prepared, render: Render | None
     ) -> tuple[str | None, list[bytes]]:
         """Fold upstream chunks into the result; returns (error message or None, client SSE parts).

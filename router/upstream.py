@@ -55,7 +55,7 @@ class Conn(asyncio.Protocol):
     """One keep-alive connection; one exchange at a time."""
 
     __slots__ = ("pool", "key", "transport", "parser", "sink", "keep", "complete", "closed", "reuse_when_complete",
-                 "idle_since")
+                 "idle_since", "content_type")
 
     def __init__(self, pool: UpstreamPool, key: tuple[str, int]) -> None:
         self.pool = pool
@@ -68,6 +68,7 @@ class Conn(asyncio.Protocol):
         self.closed = False
         self.reuse_when_complete = False
         self.idle_since = 0.0
+        self.content_type = b""  # the current response's, as sent
 
     # ---------------------------------------------------------------- asyncio.Protocol
 
@@ -100,8 +101,11 @@ class Conn(asyncio.Protocol):
     # ---------------------------------------------------------------- httptools callbacks
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if name.lower() == b"connection" and value.lower() == b"close":
+        n = name.lower()
+        if n == b"connection" and value.lower() == b"close":
             self.keep = False
+        elif n == b"content-type":
+            self.content_type = value
 
     def on_headers_complete(self) -> None:
         if self.sink is not None:
@@ -128,6 +132,7 @@ class Conn(asyncio.Protocol):
         assert self.transport is not None
         self.sink = sink
         self.complete = False
+        self.content_type = b""
         self.transport.write(head + body if len(body) < 16384 else head)
         if len(body) >= 16384:
             self.transport.write(body)

@@ -194,6 +194,32 @@ async def test_a_workers_own_4xx_comes_back_as_sent() -> None:
         assert len(v.completions) == 1  # a client error is not retried elsewhere
 
 
+async def test_a_stream_answered_otherwise_comes_back_as_the_worker_sent_it() -> None:
+    """Streams to a vLLM worker are relayed from the connection's callbacks (exchange.py):
+    a 4xx to a stream request comes back with its status and body, not retried; a 5xx is
+    retried on the other worker; the client's request id reaches the worker; and a 200
+    that is not an event stream comes back whole."""
+    bad, good = FakeWorker("bad", DIGEST, fail_status=422), FakeWorker("good", DIGEST)
+    async with vllm_fleet([bad], cfg=_cfg(routing={"policy": "round_robin"})) as (_, url):
+        st, got, _ = await _post(url, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2,
+                                                           "stream": True}, headers={"x-request-id": "req-42"})
+        assert st == 422 and msgspec.json.decode(got)["error"]["message"] == "injected 422"
+        assert len(bad.completions) == 1 and bad.completion_headers[-1]["x-request-id"] == "req-42"
+    broken = FakeWorker("broken", DIGEST, fail_status=500)
+    async with vllm_fleet([broken, good], cfg=_cfg(routing={"policy": "round_robin"})) as (_, url):
+        for _ in range(2):
+            st, got, hdrs = await _post(url, "/v1/chat/completions", {"model": MODEL, "messages": CHAT,
+                                                                       "max_tokens": 2, "stream": True})
+            assert st == 200 and hdrs["x-kvroute-worker"] == "good" and got.endswith(b"data: [DONE]\n\n")
+        assert broken.completions and len(good.completions) == 2
+    whole = FakeWorker("whole", DIGEST, stream_as_json=True)
+    async with vllm_fleet([whole]) as (_, url):
+        st, got, hdrs = await _post(url, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2,
+                                                              "stream": True})
+        assert st == 200 and hdrs.get("Content-Type", "").startswith("application/json")
+        assert msgspec.json.decode(got)["choices"][0]["finish_reason"] == "length"
+
+
 async def test_fields_our_workers_lack_go_to_vllm_or_are_named() -> None:
     ours, v = FakeWorker("ours", DIGEST), FakeWorker("v", DIGEST)
     async with vllm_fleet([ours, v], ["kvroute", "vllm"]) as (_, url):

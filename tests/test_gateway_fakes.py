@@ -38,6 +38,7 @@ class FakeWorker:
     first_delay_s: float = 0.0
     headers_delay_s: float = 0.0  # say nothing, not even the status line, for this long
     garbage: bool = False  # answer 200 with bodies / events that are not JSON
+    stream_as_json: bool = False  # answer a stream request with one JSON body
     kind: str = "kvroute"  # how the gateway's config registers it ("vllm": pass-through)
     token_delay_s: float = 0.0
     load: dict[str, Any] = field(default_factory=dict)
@@ -194,7 +195,7 @@ class FakeWorker:
         if self.garbage:
             await self._garbage(bool(req.get("stream")), send)
             return
-        if not req.get("stream"):
+        if not req.get("stream") or self.stream_as_json:
             await asyncio.sleep(self.first_delay_s)
             await reply(200, _whole(chat, n, usage))
             return

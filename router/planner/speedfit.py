@@ -79,6 +79,7 @@ class SpeedFit:
     def __init__(self, base: CostParams) -> None:
         self.base = replace(base, links=dict(base.links))
         self.samples: deque[Sample] = deque(maxlen=WINDOW)
+        self._rows: deque[tuple[float, float, float, float]] = deque(maxlen=WINDOW)  # each sample's features
         self.fit: Fit | None = None
         self.state = FitState.PROBING
         self.total = 0
@@ -88,6 +89,7 @@ class SpeedFit:
         if s.ttft_s <= 0.0 or not math.isfinite(s.ttft_s) or s.new_tokens <= 0:
             return
         self.samples.append(s)
+        self._rows.append(_features(self.base, s))
         self.total += 1
         n = len(self.samples)
         if n < MIN_SAMPLES:
@@ -95,16 +97,17 @@ class SpeedFit:
         # Once fitted, a refit every few samples follows a change as well (the window is
         # the memory) at a fraction of the gateway's CPU.
         if self.fit is None or n < WINDOW // 4 or self.total % REFIT_EVERY == 0:
-            self.fit = fit_samples(self.base, list(self.samples))
+            self.fit = _fit_rows(np.array(self._rows), np.array([q.ttft_s for q in self.samples]))
         self.state = self._state()
 
     def _state(self) -> FitState:
         fit = self.fit
         if fit is None:
             return FitState.PROBING
-        recent = list(self.samples)[-DRIFT_SAMPLES:]
-        if len(recent) >= DRIFT_SAMPLES:
-            rel = sorted(_rel_residual(self.base, fit, s) for s in recent)
+        if len(self.samples) >= DRIFT_SAMPLES:
+            rel = sorted(_row_residual(fit, x, q.ttft_s)
+                         for x, q in zip(list(self._rows)[-DRIFT_SAMPLES:], list(self.samples)[-DRIFT_SAMPLES:],
+                                         strict=True))
             if abs(rel[len(rel) // 2]) > DRIFT_REL:
                 return FitState.DRIFTING
         return FitState.FITTED
@@ -152,20 +155,28 @@ class SpeedFit:
         return out
 
 
-def _rel_residual(base: CostParams, fit: Fit, s: Sample) -> float:
-    return (s.ttft_s - fit.ttft(base, s.new_tokens, s.cached_tokens, s.running, s.queue_s)) / s.ttft_s
+def _features(base: CostParams, q: Sample) -> tuple[float, float, float, float]:
+    """A sample's row of the fit: 1, the prefill shape, running requests, predicted queue."""
+    return (1.0, prefill_seconds(base, q.new_tokens, q.cached_tokens) - base.prefill_overhead_s, float(q.running),
+            q.queue_s)
+
+
+def _row_residual(fit: Fit, x: tuple[float, float, float, float], ttft_s: float) -> float:
+    pred = fit.overhead_s + fit.scale * x[1] + fit.ride_s * x[2] + fit.queue_scale * x[3]
+    return (ttft_s - pred) / ttft_s
 
 
 def fit_samples(base: CostParams, samples: list[Sample]) -> Fit:
     """Huber IRLS of `ttft = a + s*shape + r*running + k*queue` in relative terms, coefficients
     kept non-negative by dropping a column that comes out negative (then refitting)."""
-    x = np.array([(1.0, prefill_seconds(base, q.new_tokens, q.cached_tokens) - base.prefill_overhead_s,
-                   float(q.running), q.queue_s) for q in samples])
-    y = np.array([q.ttft_s for q in samples])
+    return _fit_rows(np.array([_features(base, q) for q in samples]), np.array([q.ttft_s for q in samples]))
+
+
+def _fit_rows(x: np.ndarray, y: np.ndarray) -> Fit:
     cols = [0, 1, 2, 3]
     for c in (2, 3):
         some = int(np.count_nonzero(x[:, c]))
-        if some < MIN_SAMPLES or len(samples) - some < MIN_SAMPLES:
+        if some < MIN_SAMPLES or len(y) - some < MIN_SAMPLES:
             cols.remove(c)  # too few samples on each side: the term would fit a stray sample or two
     coef = _irls(x, y, cols)
     for c in (3, 2, 0):
@@ -177,21 +188,26 @@ def fit_samples(base: CostParams, samples: list[Sample]) -> Fit:
         coef = _irls(x, y, cols)
     qs = float(coef[3]) if 3 in cols else 1.0
     fit = Fit(max(float(coef[0]), 0.0), float(coef[1]) if coef[1] > 0.0 else 1.0, max(float(coef[2]), 0.0), 0.0,
-              len(samples), qs)
+              len(y), qs)
     pred = fit.overhead_s + fit.scale * x[:, 1] + fit.ride_s * x[:, 2] + fit.queue_scale * x[:, 3]
     return replace(fit, rel_spread=float(1.4826 * np.median(np.abs((y - pred) / y))))
 
 
 def _irls(x: np.ndarray, y: np.ndarray, cols: list[int]) -> np.ndarray:
-    """Weighted least squares in relative terms, reweighted `_IRLS_ROUNDS` times by Huber."""
+    """Weighted least squares in relative terms, reweighted `_IRLS_ROUNDS` times by Huber.
+    Each round solves the normal equations (at most 4 x 4): an SVD per round cost the
+    gateway more than the rest of a request's bookkeeping."""
     xs = x[:, cols] / y[:, None]  # rows scaled by 1/y: relative residuals
-    ys = np.ones_like(y)
     hw = np.ones_like(y)
     sol = np.zeros(len(cols))
     for _ in range(_IRLS_ROUNDS + 1):
-        sw = np.sqrt(hw)
-        sol = np.linalg.lstsq(xs * sw[:, None], ys * sw, rcond=None)[0]
-        res = np.abs(ys - xs @ sol)
+        xw = xs * hw[:, None]
+        try:
+            sol = np.linalg.solve(xw.T @ xs, xw.sum(axis=0))
+        except np.linalg.LinAlgError:  # collinear columns: the minimum-norm solution
+            sw = np.sqrt(hw)
+            sol = np.linalg.lstsq(xs * sw[:, None], sw, rcond=None)[0]
+        res = np.abs(1.0 - xs @ sol)
         k = _HUBER_K * max(float(np.median(res)) * 1.4826, 1e-3)
         hw = np.where(res <= k, 1.0, k / np.maximum(res, 1e-12))
     out = np.zeros(4)
