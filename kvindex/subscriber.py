@@ -37,6 +37,10 @@ _EXPORTED_AS = {"stored": "blocks_stored", "removed": "blocks_removed"}
 # How often an idle subscriber wakes to see whether a tail probe is due: each wakeup is a
 # pyzmq poll (futures, a poller), a gateway's main idle cost with a few workers.
 IDLE_POLL_MS = 1000
+# Messages taken per wakeup without waiting: an engine publishes a message per step, and
+# one awaited receive each costs more than applying it; bounded so a flood cannot
+# starve the event loop.
+DRAIN_MAX = 64
 IDLE_PROBE_MAX_S = 60.0  # the longest wait between tail probes of an idle stream
 
 
@@ -155,6 +159,7 @@ class WorkerSubscriber:
             sock.close(linger=0)
             raise
         self._sub = sock
+        self._now: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)  # the same socket, read without futures
         self.endpoint = endpoint  # the bound address in bind mode (resolves `:*` / port 0)
         self.health = WorkerHealth(worker_id, endpoint, replay_endpoint, bind, topic)
 
@@ -218,7 +223,7 @@ class WorkerSubscriber:
                 if not await sub.poll(IDLE_POLL_MS):  # idle: maybe probe the tail, then wait again
                     await self._maybe_probe()
                     continue
-                frames = await sub.recv_multipart(copy=False)
+                await self._drain()
             except asyncio.CancelledError:
                 raise
             except zmq.ZMQError as e:
@@ -228,6 +233,15 @@ class WorkerSubscriber:
                 log.warning("kv-ingest %s: receive failed: %s", self.worker_id, e)
                 await asyncio.sleep(0.1)
                 continue
+            await asyncio.sleep(0)  # a flood of ready messages must not starve the loop
+
+    async def _drain(self) -> None:
+        """Apply the messages that are ready (DRAIN_MAX at most), none awaited."""
+        for _ in range(DRAIN_MAX):
+            try:
+                frames = self._now.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
             try:
                 await self.on_frames([f.buffer for f in frames])
             except asyncio.CancelledError:
@@ -235,7 +249,6 @@ class WorkerSubscriber:
             except Exception:  # never let one message stop ingestion
                 self.health.internal_errors += 1
                 log.exception("kv-ingest %s: unexpected error on a message", self.worker_id)
-            await asyncio.sleep(0)  # a flood of ready messages must not starve the loop
 
     async def on_frames(self, frames: Sequence[Buffer]) -> None:
         """Handle one live message (exposed for tests: frames as received)."""
