@@ -49,3 +49,26 @@ async def test_idle_connections_expire_before_a_workers_server_closes_them() -> 
         conn = gw.session.connector
         assert conn is not None and conn._keepalive_timeout < 5.0  # type: ignore[attr-defined]
     assert upstream.MAX_IDLE_S < 5.0
+
+
+async def test_the_lean_clients_connect_timeout_is_not_worker_trouble() -> None:
+    """Streams to plain-http workers connect through router/upstream.py: a worker that does
+    not accept in time fails the attempt as `connect_timeout` there too (it said
+    "unreachable: TimeoutError" and opened breakers under a burst)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from router.exchange import _connect
+    from router.upstream import UpstreamPool
+
+    class _NeverAccepts(UpstreamPool):
+        async def get(self, key: tuple[str, int]) -> Any:
+            async with asyncio.timeout(self.connect_timeout_s):
+                await asyncio.Event().wait()
+
+    ex = SimpleNamespace(task=None)
+    with pytest.raises(UpstreamError) as ei:
+        await _connect(_NeverAccepts(0.05), ("127.0.0.1", 9), SimpleNamespace(id="w1"), ex, None)  # type: ignore[arg-type]
+    e = ei.value
+    assert e.retryable and not e.fatal and e.phase == "connect_timeout" and not e.worker_trouble
+    assert "did not accept the connection within 0.05 s" in str(e)
