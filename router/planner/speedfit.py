@@ -37,6 +37,7 @@ from .types import CostParams
 WINDOW = 64  # samples a fit looks at: recent enough to follow a change in minutes
 MIN_SAMPLES = 4  # below this the worker is `probing`
 REFIT_EVERY = 16  # samples between refits of a settled fit (the window, not the refit, is the memory)
+REFIT_EVERY_DRIFTING = 4  # ... and of one whose latest samples sit off it
 DRIFT_SAMPLES = 8  # the latest samples that decide `drifting`
 DRIFT_REL = 0.25  # their median relative residual past this: `drifting`
 _HUBER_K = 1.345  # the usual 95%-efficiency constant
@@ -96,7 +97,8 @@ class SpeedFit:
             return
         # Once fitted, a refit every few samples follows a change as well (the window is
         # the memory) at a fraction of the gateway's CPU.
-        if self.fit is None or n < WINDOW // 4 or self.state is FitState.DRIFTING or self.total % REFIT_EVERY == 0:
+        every = REFIT_EVERY_DRIFTING if self.state is FitState.DRIFTING else REFIT_EVERY
+        if self.fit is None or n < WINDOW // 4 or self.total % every == 0:
             self.fit = _fit_rows(np.array(self._rows), np.array([q.ttft_s for q in self.samples]))
         self.state = self._state()
 
