@@ -1,7 +1,8 @@
-"""Bursts: right after start, with a TTFT SLO, and at three times what the fleet holds.
+"""Bursts: right after start, with a TTFT SLO, and at three times what the fleet holds;
+and a steady rate far above what a slow fleet completes.
 
 Overload must be answered with 429 + Retry-After, never a 5xx; a busy worker is not a
-dead one (no worker may leave the pool, its index must stay).
+dead one (no worker may leave the pool or trip its breaker, its index must stay).
 """
 from __future__ import annotations
 
