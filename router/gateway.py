@@ -359,7 +359,7 @@ class Gateway:
         estimates = {e.worker_id: e for e in d.estimates}
         last: UpstreamError | None = None
         last_w: Worker | None = None
-        tried = 0
+        tried = slow = 0
         for wid in order:
             w = self.pool.workers.get(wid)
             if w is None or w.state is not State.HEALTHY:
@@ -375,10 +375,13 @@ class Gateway:
                 if not e.retryable:
                     raise (e.api_error or upstream_failed("A worker failed to answer.")) from None
                 last, last_w = e, w
+                slow += e.phase == "connect_timeout"
                 log.warning("request %s: worker %s failed before the first byte: %s", prep.rid, w.id, e)
         if last is not None and last.api_error is not None and last.api_error.status == 429:
             m.child(m.shed, "worker_429").inc()
             raise last.api_error
+        if slow and slow == tried:
+            raise self._slow_to_accept()
         if last is None:
             raise unavailable("No healthy worker could take this request.", 1.0)
         log.warning("request %s: no worker answered (%d tried): %s", prep.rid, tried, last)
@@ -387,6 +390,13 @@ class Gateway:
         if tried > 1:
             raise upstream_failed(f"The {tried} workers tried failed before answering{why}; retry the request.")
         raise upstream_failed(f"The worker failed before answering{why}; retry the request.")
+
+    def _slow_to_accept(self) -> ApiError:
+        """Every worker tried was too busy to accept the connection: live workers that are
+        overloaded, so a 429 with Retry-After (a 502 would tell the client they failed)."""
+        self.metrics.child(self.metrics.shed, "slow_to_accept").inc()
+        return rate_limited("The model's workers are too busy to accept this request; retry later.",
+                            self.cfg.routing.default_retry_after_s, "slow_to_accept")
 
     async def _attempt(
         self, prep: Prepared, d: Decision, rr: RouteRequest, w: Worker, est: Estimate | None, out: Out,

@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 
 from .client import Reply, request
-from .config import SMALL_TIMEOUTS, gateway_config, namespace_digest, pool_fields, write_profile
+from .config import DECODE_BASE_S, SMALL_TIMEOUTS, gateway_config, namespace_digest, pool_fields, write_profile
 from .load import load_factor
 from .outcome import ABANDONED, CaseResult, Outcome, Spec, classify
 from .procs import REPO, FaultyProc, GatewayProc, Procs, SimCluster, StartError
@@ -84,9 +84,11 @@ class Ctx:
         self.tag = secrets.token_hex(3)
         self.use_profile(32, 32)
 
-    def use_profile(self, max_num_seqs: int, max_waiting: int) -> None:
-        """The simulated workers' scheduler for this case (capacity = seqs + waiting per worker)."""
-        self.profile = write_profile(self.folder, max_num_seqs=max_num_seqs, max_waiting=max_waiting)
+    def use_profile(self, max_num_seqs: int, max_waiting: int, decode_base_s: float | None = None) -> None:
+        """The simulated workers' scheduler for this case (capacity = seqs + waiting per worker);
+        `decode_base_s`: a slower decode step than the suite's (a slow fleet)."""
+        self.profile = write_profile(self.folder, max_num_seqs=max_num_seqs, max_waiting=max_waiting,
+                                     decode_base_s=DECODE_BASE_S if decode_base_s is None else decode_base_s)
         self.digest = namespace_digest(self.profile)
 
     # ------------------------------------------------------------------ sizes, checks

@@ -27,7 +27,7 @@ from . import (  # noqa: F401
 
 ORDER = (
     # 1. bursts
-    "burst_at_start", "burst_slo", "burst_3x",
+    "burst_at_start", "burst_slo", "burst_3x", "overload_rate",
     # 2. timeouts
     "hanging_worker", "stalled_stream", "unhealthy_inflight",
     # 3. one tenant stalls every tenant
