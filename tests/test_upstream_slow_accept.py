@@ -52,23 +52,36 @@ async def test_idle_connections_expire_before_a_workers_server_closes_them() -> 
 
 
 async def test_the_lean_clients_connect_timeout_is_not_worker_trouble() -> None:
-    """Streams to plain-http workers connect through router/upstream.py: a worker that does
-    not accept in time fails the attempt as `connect_timeout` there too (it said
-    "unreachable: TimeoutError" and opened breakers under a burst)."""
-    import asyncio
+    """Streams to plain-http workers connect through router/upstream.py: a worker too busy
+    to accept (its listen backlog full, so further SYNs are dropped) fails the attempt as
+    `connect_timeout` there too; it said "unreachable: TimeoutError" and opened breakers
+    under a burst."""
+    import socket
     from types import SimpleNamespace
 
     from router.exchange import _connect
     from router.upstream import UpstreamPool
 
-    class _NeverAccepts(UpstreamPool):
-        async def get(self, key: tuple[str, int]) -> Any:
-            async with asyncio.timeout(self.connect_timeout_s):
-                await asyncio.Event().wait()
-
-    ex = SimpleNamespace(task=None)
-    with pytest.raises(UpstreamError) as ei:
-        await _connect(_NeverAccepts(0.05), ("127.0.0.1", 9), SimpleNamespace(id="w1"), ex, None)  # type: ignore[arg-type]
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(0)
+    port = srv.getsockname()[1]
+    fillers = []
+    for _ in range(3):  # fill the backlog: nobody accepts them
+        f = socket.socket()
+        f.setblocking(False)
+        f.connect_ex(("127.0.0.1", port))
+        fillers.append(f)
+    upstream = UpstreamPool(0.3)
+    try:
+        with pytest.raises(UpstreamError) as ei:
+            await _connect(upstream, ("127.0.0.1", port), SimpleNamespace(id="w1"),  # type: ignore[arg-type]
+                           SimpleNamespace(task=None), None)  # type: ignore[arg-type]
+    finally:
+        upstream.close()
+        for f in fillers:
+            f.close()
+        srv.close()
     e = ei.value
     assert e.retryable and not e.fatal and e.phase == "connect_timeout" and not e.worker_trouble
-    assert "did not accept the connection within 0.05 s" in str(e)
+    assert "did not accept the connection within 0.3 s" in str(e)
