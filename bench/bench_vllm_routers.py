@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 import vllm_harness as vh  # noqa: E402
-from engine_fleet import EngineFleet  # noqa: E402  (the same directory: a sibling module)
+from engine_fleet import EngineFleet, metric_sums  # noqa: E402  (the same directory: a sibling module)
 
 from loadtest.mooncake import load_mooncake  # noqa: E402
 from loadtest.ports import free_port  # noqa: E402
@@ -148,14 +148,7 @@ def tree_cpu_s(pid: int) -> float:
 
 def vllm_counters(url: str) -> tuple[float, float]:
     """(prefix cache hits, queries) in tokens, from a server's /metrics."""
-    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
-    hits = queries = 0.0
-    for line in text.splitlines():
-        if line.startswith("vllm:prefix_cache_hits_total"):
-            hits += float(line.rsplit(" ", 1)[1])
-        elif line.startswith("vllm:prefix_cache_queries_total"):
-            queries += float(line.rsplit(" ", 1)[1])
-    return hits, queries
+    return metric_sums(url, "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")
 
 
 class Fleet(Protocol):

@@ -114,15 +114,9 @@ class EngineFleet:
 
     def counters(self) -> tuple[float, float]:
         """(prompt tokens served from cache, prompt tokens) summed over the workers."""
-        hits = queries = 0.0
-        for s in self.servers:
-            text = urllib.request.urlopen(s.url + "/metrics", timeout=10).read().decode()
-            for line in text.splitlines():
-                if line.startswith("kvroute_worker_cached_tokens_total{"):
-                    hits += float(line.rsplit(" ", 1)[1])
-                elif line.startswith("kvroute_worker_prompt_tokens_total "):
-                    queries += float(line.rsplit(" ", 1)[1])
-        return hits, queries
+        sums = [metric_sums(s.url, "kvroute_worker_cached_tokens_total{", "kvroute_worker_prompt_tokens_total ")
+                for s in self.servers]
+        return sum(h for h, _ in sums), sum(q for _, q in sums)
 
     def kvroute_model(self) -> dict[str, Any]:
         """The gateway's model entry: the workers' namespace, no profile, no cost."""
@@ -161,3 +155,16 @@ def _get_json(url: str) -> dict[str, Any]:
     with urllib.request.urlopen(url, timeout=10) as r:
         out: dict[str, Any] = json.load(r)
         return out
+
+
+def metric_sums(url: str, first: str, second: str) -> tuple[float, float]:
+    """The sums of the samples on a server's /metrics whose lines start with `first` and
+    with `second` (a counter's name, with its `{` or space to tell it from longer names)."""
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    a = b = 0.0
+    for line in text.splitlines():
+        if line.startswith(first):
+            a += float(line.rsplit(" ", 1)[1])
+        elif line.startswith(second):
+            b += float(line.rsplit(" ", 1)[1])
+    return a, b

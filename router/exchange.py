@@ -10,18 +10,24 @@ events passed on as they came (router/passthrough.py).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .attempt import Attempt, Out, Result
+from .errors import ApiError
 from .proxy import UpstreamError
+from .responses import SSE_DONE, STREAM_FAILED, sse_error
 from .upstream import Conn, UpstreamPool
 from .worker import Worker
 
 if TYPE_CHECKING:
+    from .observe import Observer
     from .prepare import Prepared
     from .relay import Render
+
+log = logging.getLogger("kvroute.exchange")
 
 
 class Fold(Protocol):
@@ -72,6 +78,22 @@ class ClientStream:
         except StopIteration:
             return None
         return coro, waits_on
+
+
+async def fail_mid_stream(observer: Observer, a: Attempt, e: UpstreamError, res: Result,
+                          stream: ClientStream) -> int:
+    """A worker failing after the first byte (both relays): an explicit SSE error event and
+    `[DONE]`, never a silent truncation; a whole answer not yet sent becomes a 502."""
+    m, prep, w = observer.metrics, a.prep, a.worker
+    m.child(m.upstream_errors, w.id, "stream").inc()
+    log.warning("request %s: worker %s failed after the first byte: %s", prep.rid, w.id, e)
+    if not prep.stream:
+        raise ApiError(502, "The worker failed while generating; retry the request.", "upstream_error", None,
+                       "worker_failed") from None
+    await stream.flush([sse_error(STREAM_FAILED, "upstream_error", "worker_failed", prep.rid) + SSE_DONE],
+                       more=False)
+    observer.done(a, res, False)
+    return 200
 
 
 _MAX_WHOLE_BODY = 1 << 20  # an error body, or a whole answer where a stream was asked for

@@ -12,7 +12,6 @@ explicit SSE error event (the one thing the gateway adds to a stream).
 """
 from __future__ import annotations
 
-import logging
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -21,11 +20,10 @@ import msgspec
 
 from .attempt import JSON_HEADERS, SSE_HEADERS, Attempt, Out, Result
 from .config import PoolConfig
-from .exchange import ClientStream, Exchange, open_exchange
+from .exchange import ClientStream, Exchange, fail_mid_stream, open_exchange
 from .observe import Observer
 from .pool import WorkerPool
 from .proxy import UpstreamError, post, read_within, status_error
-from .responses import SSE_DONE, STREAM_FAILED, sse_error
 from .upstream import UpstreamPool, request_head
 from .worker import Worker
 
@@ -33,7 +31,6 @@ if TYPE_CHECKING:
     from .prepare import Prepared
     from .relay import Render
 
-log = logging.getLogger("kvroute.passthrough")
 _enc = msgspec.json.Encoder()
 _MAX_EVENT = 8 << 20
 _MAX_WHOLE = 256 << 20  # a whole answer (n choices with logprobs can be large)
@@ -160,20 +157,10 @@ class PassThrough:
                     await stream.flush(parts)
                     raise UpstreamError(f"worker {w.id} sent {err}", False, phase="stream")
         except UpstreamError as e:
-            await self._failed_mid_stream(a, e, res, stream)
-            return 200
+            return await fail_mid_stream(self.observer, a, e, res, stream)
         await stream.flush(parts, more=False)
         self.observer.done(a, res, True)
         return 200
-
-    async def _failed_mid_stream(self, a: Attempt, e: UpstreamError, res: Result, stream: ClientStream) -> None:
-        """After the first byte: an explicit SSE error event, never a silent truncation."""
-        m = self.observer.metrics
-        m.child(m.upstream_errors, a.worker.id, "stream").inc()
-        log.warning("request %s: worker %s failed after the first byte: %s", a.prep.rid, a.worker.id, e)
-        await stream.flush([sse_error(STREAM_FAILED, "upstream_error", "worker_failed", a.prep.rid) + SSE_DONE],
-                           more=False)
-        self.observer.done(a, res, False)
 
     async def _relay_error(self, a: Attempt, resp: aiohttp.ClientResponse, out: Out) -> int:
         """The worker's own 4xx, as it sent it (the client's request was wrong for it)."""
@@ -219,8 +206,7 @@ class PassThrough:
         except UpstreamError as e:
             stream = ClientStream(out, [])
             stream.started = True
-            await self._failed_mid_stream(a, e, res, stream)
-            return 200
+            return await fail_mid_stream(self.observer, a, e, res, stream)
         self.observer.done(a, res, True)
         return 200
 

@@ -8,7 +8,6 @@ instead (router/passthrough.py); both hand their result to router/observe.py.
 """
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, NoReturn
@@ -19,29 +18,25 @@ from yarl import URL
 
 from .attempt import JSON_HEADERS, SSE_HEADERS, Attempt, Out, Result
 from .config import PoolConfig
-from .errors import ApiError
-from .exchange import ClientStream, Exchange, open_exchange
+from .exchange import ClientStream, Exchange, fail_mid_stream, open_exchange
 from .observe import Observer
 from .pool import WorkerPool
 from .prepare import Prepared
 from .proxy import JSON_SSE, UpstreamError, UpstreamStream, open_stream, sse_payloads, status_error
 from .responses import (
     SSE_DONE,
-    STREAM_FAILED,
     ChunkFrame,
     chat_first_chunk,
     chat_response,
     chunk_renderer,
     client_usage,
     comp_response,
-    sse_error,
     usage_chunk,
 )
 from .schema import up_chunk_decoder
 from .upstream import UpstreamPool, request_head
 from .worker import Worker
 
-log = logging.getLogger("kvroute.relay")
 _enc = msgspec.json.Encoder()
 Render = Callable[[str, "str | None"], bytes]
 
@@ -149,7 +144,7 @@ class Relay:
             if err is not None:
                 await _raise_mid_stream(w.id, err, stream, parts)
         except UpstreamError as e:
-            return await self._failed_mid_stream(a, e, res, stream)
+            return await fail_mid_stream(self.observer, a, e, res, stream)
         return await self._succeeded(a, res, stream, parts)
 
     async def _succeeded(self, a: Attempt, res: Result, stream: ClientStream, parts: list[bytes]) -> int:
@@ -169,19 +164,6 @@ class Relay:
         build = chat_response if prep.chat else comp_response
         await stream.flush([build(prep.rid, prep.created, prep.model_name, "".join(res.text), res.finish, usage)],
                            more=False)
-
-    async def _failed_mid_stream(self, a: Attempt, e: UpstreamError, res: Result, stream: ClientStream) -> int:
-        """After the first byte: an explicit SSE error event, never a silent truncation."""
-        m, prep, w = self.metrics, a.prep, a.worker
-        m.child(m.upstream_errors, w.id, "stream").inc()
-        log.warning("request %s: worker %s failed after the first byte: %s", prep.rid, w.id, e)
-        if not prep.stream:
-            raise ApiError(502, "The worker failed while generating; retry the request.", "upstream_error", None,
-                           "worker_failed") from None
-        await stream.flush([sse_error(STREAM_FAILED, "upstream_error", "worker_failed", prep.rid) + SSE_DONE],
-                           more=False)
-        self.observer.done(a, res, False)
-        return 200
 
     # ------------------------------------------------------------------ the callback path
 
@@ -232,7 +214,7 @@ class Relay:
             if err is not None:
                 await _raise_mid_stream(w.id, err, stream, parts)
         except UpstreamError as e:
-            return await self._failed_mid_stream(a, e, res, stream)
+            return await fail_mid_stream(self.observer, a, e, res, stream)
         return await self._succeeded(a, res, stream, parts)
 
     # ---------------------------------------------------------------- exchange.Fold
