@@ -178,6 +178,23 @@ async def _until_ready(s: aiohttp.ClientSession, base: str, proc: Any, timeout: 
     raise AssertionError("the gateway never became ready:\n" + "\n".join(proc.lines[-30:]))
 
 
+async def _all_replicas_ready(base: str, proc: Any, timeout: float = 30.0) -> None:
+    """Ready on fresh connections, several in a row: the kernel picks the replica per
+    connection, and one `/ready` answer speaks for one replica only."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.returncode is not None:
+            raise AssertionError("the gateway exited:\n" + "\n".join(proc.lines[-30:]))
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
+            try:
+                if all([(await _get(s, base + "/ready"))[0] == 200 for _ in range(8)]):
+                    return
+            except aiohttp.ClientError:
+                pass
+        await asyncio.sleep(0.1)
+    raise AssertionError("not every replica became ready:\n" + "\n".join(proc.lines[-30:]))
+
+
 def _json_lines(lines: list[str]) -> list[dict[str, Any]]:
     out = []
     for ln in lines:
@@ -302,6 +319,7 @@ async def test_serve_processes_runs_replicas_on_one_port(tmp_path: Path) -> None
             await _until_ready(s, base, proc)
             children = await _listeners(port, 2)
             assert len(children) == 2 and proc.pid not in children  # two processes bound to the one port
+            await _all_replicas_ready(base, proc)
             for _ in range(10):
                 async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s1, \
                         s1.post(base + "/v1/completions", json=_body()) as r:
