@@ -5,6 +5,7 @@ DNS server on loopback), and `kvroute serve --processes N` on one port."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
@@ -136,11 +137,13 @@ def _write_config(path: Path, port: int, workers: list[FakeWorker], **over: Any)
 
 @asynccontextmanager
 async def gateway_process(config: Path, *extra: str) -> AsyncIterator[asyncio.subprocess.Process]:
-    """`kvroute serve --config FILE` as a child; its stderr collected into `proc.lines`."""
+    """`kvroute serve --config FILE` as a child; its stderr collected into `proc.lines`. It
+    runs in a session of its own, killed whole at the end: a replica (`--processes`) left
+    behind would hold the stderr pipe and the workers' connections open."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "kvroute.cli", "serve", "--config", str(config), *extra, cwd=str(ROOT),
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
     lines: list[str] = []
     proc.lines = lines  # type: ignore[attr-defined]
 
@@ -153,9 +156,9 @@ async def gateway_process(config: Path, *extra: str) -> AsyncIterator[asyncio.su
     try:
         yield proc
     finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the gateway and any replica it forked
+        await proc.wait()
         await asyncio.wait_for(reader, patience(5.0))
 
 
