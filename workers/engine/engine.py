@@ -26,9 +26,9 @@ from kvindex.tiers import Tier
 from kvwire import LoadReport, WorkerInfo
 from workers.api import BlockExport, GenChunk, GenRequest, PrefetchResult, PrefetchSpec
 from workers.blockmeta import meta_to_json, state_events
+from workers.chunkstream import ChunkStream
 from workers.errors import BadRequest, Draining, EngineError, PrefetchQueueFull
 from workers.fleetkeys import peer_bearer
-from workers.usage import Usage
 
 from .blockio import record_of
 from .core import EngineCore, SeqUpdate
@@ -46,29 +46,17 @@ class NotSupported(EngineError):
     code = "not_supported"
 
 
-class _Failed(EngineError):
-    status = 500
-    type = "server_error"
-    code = "engine_error"
-
-
-class TorchStream:
+class TorchStream(ChunkStream):
     """One accepted request: step results in (on the event loop), `GenChunk`s out."""
 
-    __slots__ = ("request_id", "seq", "usage", "finish_reason", "_engine", "_ids", "_texts", "_done", "_error",
-                 "_waiter")
+    __slots__ = ("seq", "_engine", "_ids", "_texts")
 
     def __init__(self, engine: TorchEngine, seq: Sequence) -> None:
-        self.request_id = seq.request_id
+        super().__init__(seq.request_id)
         self.seq = seq
-        self.usage: Usage | None = None
-        self.finish_reason: str | None = None
         self._engine = engine
         self._ids: list[int] = []
         self._texts: deque[str] = deque()
-        self._done = False
-        self._error: str | None = None
-        self._waiter: asyncio.Future[None] | None = None
 
     def push(self, u: SeqUpdate) -> None:
         if self._done:
@@ -77,47 +65,24 @@ class TorchStream:
         if u.text:
             self._texts.append(u.text)
         if u.finished:
-            self._done = True
-            if u.error is not None:
-                self._error = u.error
-            else:
+            if u.error is None:
                 self.finish_reason = u.seq.finish_reason
                 self.usage = u.seq.usage
-        w = self._waiter
-        if w is not None and not w.done():
-            w.set_result(None)
+            self._end(u.error)
+        else:
+            self._wake()
 
-    def __aiter__(self) -> AsyncIterator[GenChunk]:
-        return self._chunks()
+    def _pending(self) -> bool:
+        return bool(self._ids or self._texts)
 
-    async def _chunks(self) -> AsyncIterator[GenChunk]:
-        loop = asyncio.get_running_loop()
-        while True:
-            if self._ids or self._texts:  # everything since the last read, as one chunk
-                ids, self._ids = self._ids, []
-                text = "".join(self._texts)
-                self._texts.clear()
-                yield GenChunk(ids, text)
-                continue
-            if self._done:
-                if self._error is not None:
-                    raise _Failed(self._error)
-                return
-            self._waiter = loop.create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
+    def _take(self) -> GenChunk:
+        ids, self._ids = self._ids, []
+        text = "".join(self._texts)
+        self._texts.clear()
+        return GenChunk(ids, text)
 
-    def cancel(self) -> None:
-        """The client went away: the request is dropped and its blocks freed (idempotent)."""
-        if self._done:
-            return
-        self._done = True
+    def _abort(self) -> None:
         self._engine._cancel(self.request_id)
-        w = self._waiter
-        if w is not None and not w.done():
-            w.set_result(None)
 
 
 def sampling_of(req: GenRequest) -> SamplingParams:
