@@ -24,7 +24,7 @@ from typing import Any
 from kvindex.events import KVEvent
 from kvindex.tiers import Tier
 from kvwire import LoadReport, WorkerInfo
-from workers.api import BlockExport, GenChunk, GenRequest, PrefetchResult, PrefetchSpec
+from workers.api import BlockExport, GenChunk, GenRequest, PrefetchResult, PrefetchSpec, TokenLogprob
 from workers.blockmeta import meta_to_json, state_events
 from workers.chunkstream import ChunkStream
 from workers.errors import BadRequest, Draining, EngineError, PrefetchQueueFull
@@ -49,7 +49,7 @@ class NotSupported(EngineError):
 class TorchStream(ChunkStream):
     """One accepted request: step results in (on the event loop), `GenChunk`s out."""
 
-    __slots__ = ("seq", "_engine", "_ids", "_texts")
+    __slots__ = ("seq", "_engine", "_ids", "_texts", "_logprobs")
 
     def __init__(self, engine: TorchEngine, seq: Sequence) -> None:
         super().__init__(seq.request_id)
@@ -57,6 +57,7 @@ class TorchStream(ChunkStream):
         self._engine = engine
         self._ids: list[int] = []
         self._texts: deque[str] = deque()
+        self._logprobs: list[TokenLogprob] | None = [] if seq.params.logprobs is not None else None
 
     def push(self, u: SeqUpdate) -> None:
         if self._done:
@@ -64,6 +65,8 @@ class TorchStream(ChunkStream):
         self._ids.extend(u.token_ids)
         if u.text:
             self._texts.append(u.text)
+        if self._logprobs is not None and u.logprobs:
+            self._logprobs.extend(u.logprobs)
         if u.finished:
             if u.error is None:
                 self.finish_reason = u.seq.finish_reason
@@ -79,7 +82,10 @@ class TorchStream(ChunkStream):
         ids, self._ids = self._ids, []
         text = "".join(self._texts)
         self._texts.clear()
-        return GenChunk(ids, text)
+        lps = self._logprobs
+        if lps is not None:
+            self._logprobs = []
+        return GenChunk(ids, text, lps)
 
     def _abort(self) -> None:
         self._engine._cancel(self.request_id)
@@ -87,7 +93,7 @@ class TorchStream(ChunkStream):
 
 def sampling_of(req: GenRequest) -> SamplingParams:
     """How to sample a request: OpenAI's fields, None meaning OpenAI's defaults
-    (temperature 1, top_p 1, no seed, no stop strings)."""
+    (temperature 1, top_p 1, no seed, no stop strings), and vLLM's min_tokens."""
     stop = req.stop
     return SamplingParams(
         max_tokens=req.max_tokens,
@@ -96,6 +102,8 @@ def sampling_of(req: GenRequest) -> SamplingParams:
         seed=req.seed,
         stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
         ignore_eos=req.ignore_eos,
+        min_tokens=req.min_tokens,
+        logprobs=req.logprobs,
     )
 
 

@@ -21,7 +21,7 @@ from kvwire import LoadReport, WorkerInfo
 from workers.api import BlockExport, GenChunk, GenRequest, PrefetchResult, PrefetchSpec
 from workers.blockmeta import BlockMeta, meta_from_json, meta_to_json
 from workers.chunkstream import ChunkStream
-from workers.errors import BadRequest, Draining
+from workers.errors import BadRequest, Draining, UnsupportedParameter
 from workers.fleetkeys import peer_bearer
 from workers.tokenizer import SimTokenizer
 from workers.usage import Usage
@@ -200,8 +200,16 @@ class SimDriver:
         return rep
 
     async def generate(self, req: GenRequest) -> _SimStream:
+        """Accept a generation: exactly `max_tokens` filler tokens (so `min_tokens`, at most
+        that, always holds). Log-probabilities are refused: there is no model to give them."""
         if self.draining:
             raise Draining("this worker is draining: send the request elsewhere", retry_after=1.0)
+        if req.logprobs is not None:
+            raise UnsupportedParameter(
+                "logprobs is not supported by this worker: the simulated engine has no model to give "
+                "log-probabilities", param="logprobs")
+        if not 0 <= req.min_tokens <= req.max_tokens:
+            raise BadRequest("min_tokens must be in [0, max_tokens]", param="min_tokens")
         stream = _SimStream(self, req.request_id)
         sreq = SimRequest(
             req.request_id,
