@@ -5,6 +5,7 @@ the shared fields rule of kvwire.openai (400 naming the field), and the direct l
 the generation routes answering with the same bytes as FastAPI's path."""
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -185,8 +186,8 @@ async def test_tokenizer_refusals(http: httpx.AsyncClient, path: str, body: dict
 # ------------------------------------------------------------------ the fields rule
 
 UNSUPPORTED = [
-    ("response_format", {"type": "json_object"}), ("logit_bias", {"50256": -100}), ("min_tokens", 5),
-    ("top_k", 40), ("repetition_penalty", 1.2), ("n", 2), ("logprobs", True),
+    ("response_format", {"type": "json_object"}), ("logit_bias", {"50256": -100}),
+    ("top_k", 40), ("repetition_penalty", 1.2), ("n", 2),
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
 ]
 NEUTRAL = [("n", 1), ("logprobs", False), ("top_k", -1), ("user", "x"), ("lora", "adapter-a"), ("temperature", 0.7)]
@@ -202,6 +203,47 @@ def gen_body(path: str, **extra: Any) -> dict[str, Any]:
 async def test_unsupported_fields_are_refused(http: httpx.AsyncClient, path: str, field: str, value: Any) -> None:
     err = assert_error(await http.post(path, json=gen_body(path, **{field: value})), 400, field)
     assert err["message"] == f"{field} is not supported by this worker" and err["code"] == "unsupported_parameter"
+
+
+@pytest.mark.parametrize(("path", "asks"), [("/v1/completions", {"logprobs": 2}),
+                                           ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 2}),
+                                           ("/v1/chat/completions", {"logprobs": True})])
+async def test_the_simulated_engine_refuses_logprobs(http: httpx.AsyncClient, path: str, asks: dict[str, Any]) -> None:
+    err = assert_error(await http.post(path, json=gen_body(path, **asks)), 400, "logprobs")
+    assert err["code"] == "unsupported_parameter" and "simulated engine has no model" in err["message"]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_the_simulated_engine_takes_min_tokens_and_returns_token_ids(http: httpx.AsyncClient, sim: SimDriver,
+                                                                          path: str) -> None:
+    chat = path != "/v1/completions"
+    r = await http.post(path, json=gen_body(path, max_tokens=6, min_tokens=6, return_token_ids=True))
+    assert r.status_code == 200, r.text
+    body = r.json()
+    choice = body["choices"][0]
+    assert body["usage"]["completion_tokens"] == 6 and choice["finish_reason"] == "length"
+    assert len(choice["token_ids"]) == 6
+    assert sim.tokenizer.decode(choice["token_ids"]) == (choice["message"]["content"] if chat else choice["text"])
+    prompt_ids = body["prompt_token_ids"] if chat else choice["prompt_token_ids"]
+    assert len(prompt_ids) == body["usage"]["prompt_tokens"]
+    if not chat:
+        assert prompt_ids == [5, 6, 7]
+    # streamed: the prompt's ids once, each chunk's generated ids
+    async with http.stream("POST", path, json=gen_body(path, max_tokens=6, min_tokens=2, return_token_ids=True,
+                                                       stream=True)) as s:
+        events = [json.loads(line[6:]) async for line in s.aiter_lines()
+                  if line.startswith("data: {")]
+    with_prompt = [e for e in events if "prompt_token_ids" in (e if chat else e["choices"][0])]
+    assert len(with_prompt) == 1
+    got = [t for e in events for t in e["choices"][0].get("token_ids", [])]
+    assert got == choice["token_ids"]  # filler tokens: the same for the same length
+    for bad, param in (({"min_tokens": 7}, "min_tokens"), ({"min_tokens": -1}, "min_tokens"),
+                       ({"min_tokens": "x"}, "min_tokens")):
+        assert_error(await http.post(path, json=gen_body(path, max_tokens=6, **bad)), 400, param)
+    # without max_tokens, this worker's default length gives way to min_tokens
+    body = {k: v for k, v in gen_body(path, min_tokens=40).items() if k != "max_tokens"}
+    r = await http.post(path, json=body)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 40, r.text
 
 
 async def test_non_text_content_is_refused(http: httpx.AsyncClient) -> None:

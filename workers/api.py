@@ -45,14 +45,32 @@ class GenRequest:
     top_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
+    # vLLM's extension: no end (EOS, stop string) before this many generated tokens.
+    min_tokens: int = 0
+    # Log-probabilities of each generated token and of the `logprobs` most likely ones
+    # (None: none asked). An engine that cannot give them refuses the request (400).
+    logprobs: int | None = None
+
+
+MAX_LOGPROBS = 20  # most alternatives per token a request may ask log-probabilities of (vLLM's default)
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """A generated token's log-probability and the most likely tokens' (id, logprob), best first."""
+
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 @dataclass(slots=True)
 class GenChunk:
-    """Tokens produced since the previous chunk (one step's worth, or more if the reader lagged)."""
+    """Tokens produced since the previous chunk (one step's worth, or more if the reader lagged),
+    with one `TokenLogprob` per token when the request asked for them."""
 
     token_ids: list[int]
     text: str
+    logprobs: list[TokenLogprob] | None = None
 
 
 class GenStream(Protocol):

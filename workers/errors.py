@@ -26,6 +26,12 @@ class BadRequest(EngineError):
     type = "invalid_request_error"
 
 
+class UnsupportedParameter(BadRequest):
+    """A request field this worker's engine does not implement: refused, never dropped."""
+
+    code = "unsupported_parameter"
+
+
 class RequestTooLarge(BadRequest):
     """Prompt + max_tokens exceed the model's context or the worker's KV capacity."""
 

@@ -4,9 +4,11 @@ and the error body it answers with. The same structs give `/openapi.json` its sc
 Generation bodies hold only the fields the worker reads. Which other OpenAI fields may
 appear is not decided here but by `kvwire.openai` (shared with the gateway): the app
 checks the raw body against it first, so a field our engines do not implement (n > 1,
-echo, logprobs, response_format, tools, ...) gets a 400 naming it, never a silent drop;
-what that list calls implemented or metadata only (temperature, seed, user, ...) is
-accepted. /tokenize and /detokenize refuse any field they do not know.
+echo, response_format, tools, ...) gets a 400 naming it, never a silent drop; what that
+list calls implemented or metadata only (temperature, seed, user, ...) is accepted, and
+so are the fields the worker hands to its engine, which refuses those it cannot honour
+(`ENGINE_FIELDS` of workers/web/prompts.py: min_tokens, logprobs, return_token_ids).
+/tokenize and /detokenize refuse any field they do not know.
 """
 from __future__ import annotations
 
@@ -39,12 +41,16 @@ class _Common(msgspec.Struct):
     ignore_eos: bool = False
     kv: KVExtension | None = None
     lora: str | None = None
+    min_tokens: int = 0  # vLLM's: no end (EOS, stop string) before this many tokens
+    return_token_ids: bool | None = None  # vLLM's: prompt and generated token ids in the answer
 
 
 class CompletionBody(_Common):
     """POST /v1/completions: one prompt, as token ids (what the router sends) or text."""
 
     prompt: str | list[int] | None = None
+    # legacy: logprobs of each token and of this many most likely (a bool as vLLM coerces it)
+    logprobs: bool | int | None = None
 
 
 class TextPart(msgspec.Struct):
@@ -62,6 +68,8 @@ class ChatBody(_Common):
 
     messages: list[ChatMessage] = []
     max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
 
 
 class TokenizeBody(msgspec.Struct, forbid_unknown_fields=True):

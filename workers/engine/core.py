@@ -25,6 +25,7 @@ from kvindex.events import KVEvent
 from kvindex.keys import BlockHasher, Namespace
 from kvindex.tiers import Tier
 from kvwire import BlockCounts, LoadReport, NamespaceInfo, Speeds, WorkerInfo
+from workers.api import TokenLogprob
 from workers.errors import BadRequest, QueueFull, RequestTooLarge
 from workers.usage import Usage
 
@@ -50,12 +51,14 @@ class SeqUpdate:
     text: str
     finished: bool
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked
 
 
 @dataclass(slots=True)
 class StepResult:
     tokens: dict[Sequence, int] = field(default_factory=dict)
     logits: dict[Sequence, torch.Tensor] = field(default_factory=dict)
+    logprobs: dict[Sequence, TokenLogprob] = field(default_factory=dict)
     prefill_times: list[tuple[int, int, float]] = field(default_factory=list)  # (n, context, seconds)
     decode_time: float | None = None
     end: float = 0.0
@@ -118,7 +121,7 @@ class EngineCore:
                 self.blocks.on_evict = offload
         self.scheduler = Scheduler(self.blocks, cfg.max_num_batched_tokens, cfg.max_num_seqs, self.tiers)
         self.runner = ModelRunner(lm.model, self.pool, lm.device)
-        self.sampler = Sampler()
+        self.sampler = Sampler(lm.eos_ids)
         self.decode_step = Ewma()
         self.stats = CoreStats()
         self.max_context = min(lm.max_positions, num_blocks * cfg.block_size)
@@ -301,8 +304,10 @@ class EngineCore:
                     rows.append(t.logits[row])
         if done:
             logits = torch.stack(rows)
-            res.tokens = dict(zip(done, self.sampler.sample(done, logits), strict=True))
+            toks = self.sampler.sample(done, logits)
+            res.tokens = dict(zip(done, toks, strict=True))
             res.logits = dict(zip(done, logits, strict=True))
+            res.logprobs = {done[i]: lp for i, lp in self.sampler.logprobs(done, logits, toks).items()}
         res.end = self._clock()
         return res
 
@@ -316,7 +321,7 @@ class EngineCore:
             self.blocks.commit(seq)
             tok = result.tokens.get(seq)
             if tok is not None:
-                updates.append(self._append(seq, tok, result.end))
+                updates.append(self._append(seq, tok, result.end, result.logprobs.get(seq)))
         for n, c, seconds in result.prefill_times:
             self.prefill_fit.add(n, c, seconds)
         if result.decode_time is not None:
@@ -344,15 +349,17 @@ class EngineCore:
         self._reap()
         return out
 
-    def _append(self, seq: Sequence, tok: int, now: float) -> SeqUpdate:
+    def _append(self, seq: Sequence, tok: int, now: float, lp: TokenLogprob | None = None) -> SeqUpdate:
         seq.token_ids.append(tok)
         if seq.first_token is None:
             seq.first_token = now
         seq.last_token = now
         self.stats.generated_tokens += 1
         p = seq.params
-        eos = tok in self.lm.eos_ids and not p.ignore_eos
-        text = "" if eos else seq.text.add(tok)
+        # min_tokens, as vLLM: the sampler masks EOS until that many tokens are out, and stop
+        # strings are looked for only in the text of the tokens after them
+        eos = tok in self.lm.eos_ids and not p.ignore_eos and seq.num_output >= p.min_tokens
+        text = "" if eos else seq.text.add(tok, check_stop=seq.num_output > p.min_tokens)
         reason = None
         if eos or seq.text.stopped:
             reason = "stop"
@@ -363,7 +370,7 @@ class EngineCore:
             seq.finish_reason = reason
             seq.status = SeqStatus.FINISHED
             self._fill_usage(seq)
-        return SeqUpdate(seq, [tok], text, reason is not None)
+        return SeqUpdate(seq, [tok], text, reason is not None, logprobs=None if lp is None else [lp])
 
     def _fill_usage(self, seq: Sequence) -> None:
         u = seq.usage

@@ -33,14 +33,16 @@ class OutputText:
         self.text = ""
         self.stopped = False
 
-    def add(self, token_id: int) -> str:
-        """Take one generated token; returns the text that may be sent now."""
+    def add(self, token_id: int, check_stop: bool = True) -> str:
+        """Take one generated token; returns the text that may be sent now. Without
+        `check_stop` (a request short of its min_tokens) the new text ends nothing; a stop
+        string it began may still be found once checking resumes."""
         self._ids.append(token_id)
         piece = self._piece()
         if piece:
             start = max(0, len(self.text) - self._hold)
             self.text += piece
-            if self._stop:
+            if self._stop and check_stop:
                 self._cut_at_stop(start)
         return self._release(final=self.stopped)
 

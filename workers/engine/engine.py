@@ -24,11 +24,11 @@ from typing import Any
 from kvindex.events import KVEvent
 from kvindex.tiers import Tier
 from kvwire import LoadReport, WorkerInfo
-from workers.api import BlockExport, GenChunk, GenRequest, PrefetchResult, PrefetchSpec
+from workers.api import BlockExport, GenChunk, GenRequest, PrefetchResult, PrefetchSpec, TokenLogprob
 from workers.blockmeta import meta_to_json, state_events
+from workers.chunkstream import ChunkStream
 from workers.errors import BadRequest, Draining, EngineError, PrefetchQueueFull
 from workers.fleetkeys import peer_bearer
-from workers.usage import Usage
 
 from .blockio import record_of
 from .core import EngineCore, SeqUpdate
@@ -46,29 +46,18 @@ class NotSupported(EngineError):
     code = "not_supported"
 
 
-class _Failed(EngineError):
-    status = 500
-    type = "server_error"
-    code = "engine_error"
-
-
-class TorchStream:
+class TorchStream(ChunkStream):
     """One accepted request: step results in (on the event loop), `GenChunk`s out."""
 
-    __slots__ = ("request_id", "seq", "usage", "finish_reason", "_engine", "_ids", "_texts", "_done", "_error",
-                 "_waiter")
+    __slots__ = ("seq", "_engine", "_ids", "_texts", "_logprobs")
 
     def __init__(self, engine: TorchEngine, seq: Sequence) -> None:
-        self.request_id = seq.request_id
+        super().__init__(seq.request_id)
         self.seq = seq
-        self.usage: Usage | None = None
-        self.finish_reason: str | None = None
         self._engine = engine
         self._ids: list[int] = []
         self._texts: deque[str] = deque()
-        self._done = False
-        self._error: str | None = None
-        self._waiter: asyncio.Future[None] | None = None
+        self._logprobs: list[TokenLogprob] | None = [] if seq.params.logprobs is not None else None
 
     def push(self, u: SeqUpdate) -> None:
         if self._done:
@@ -76,53 +65,35 @@ class TorchStream:
         self._ids.extend(u.token_ids)
         if u.text:
             self._texts.append(u.text)
+        if self._logprobs is not None and u.logprobs:
+            self._logprobs.extend(u.logprobs)
         if u.finished:
-            self._done = True
-            if u.error is not None:
-                self._error = u.error
-            else:
+            if u.error is None:
                 self.finish_reason = u.seq.finish_reason
                 self.usage = u.seq.usage
-        w = self._waiter
-        if w is not None and not w.done():
-            w.set_result(None)
+            self._end(u.error)
+        else:
+            self._wake()
 
-    def __aiter__(self) -> AsyncIterator[GenChunk]:
-        return self._chunks()
+    def _pending(self) -> bool:
+        return bool(self._ids or self._texts)
 
-    async def _chunks(self) -> AsyncIterator[GenChunk]:
-        loop = asyncio.get_running_loop()
-        while True:
-            if self._ids or self._texts:  # everything since the last read, as one chunk
-                ids, self._ids = self._ids, []
-                text = "".join(self._texts)
-                self._texts.clear()
-                yield GenChunk(ids, text)
-                continue
-            if self._done:
-                if self._error is not None:
-                    raise _Failed(self._error)
-                return
-            self._waiter = loop.create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
+    def _take(self) -> GenChunk:
+        ids, self._ids = self._ids, []
+        text = "".join(self._texts)
+        self._texts.clear()
+        lps = self._logprobs
+        if lps is not None:
+            self._logprobs = []
+        return GenChunk(ids, text, lps)
 
-    def cancel(self) -> None:
-        """The client went away: the request is dropped and its blocks freed (idempotent)."""
-        if self._done:
-            return
-        self._done = True
+    def _abort(self) -> None:
         self._engine._cancel(self.request_id)
-        w = self._waiter
-        if w is not None and not w.done():
-            w.set_result(None)
 
 
 def sampling_of(req: GenRequest) -> SamplingParams:
     """How to sample a request: OpenAI's fields, None meaning OpenAI's defaults
-    (temperature 1, top_p 1, no seed, no stop strings)."""
+    (temperature 1, top_p 1, no seed, no stop strings), and vLLM's min_tokens."""
     stop = req.stop
     return SamplingParams(
         max_tokens=req.max_tokens,
@@ -131,6 +102,8 @@ def sampling_of(req: GenRequest) -> SamplingParams:
         seed=req.seed,
         stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
         ignore_eos=req.ignore_eos,
+        min_tokens=req.min_tokens,
+        logprobs=req.logprobs,
     )
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from kvindex.keys import ROOT_KEY, BlockHasher, ExtraKeys, Namespace
+from workers.api import MAX_LOGPROBS
 from workers.blockmeta import BlockMeta
 from workers.usage import Usage
 
@@ -31,10 +32,16 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0  # no EOS, no stop string before this many generated tokens (vLLM's)
+    logprobs: int | None = None  # logprobs of each token and of this many most likely (None: none)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError("min_tokens must be in [0, max_tokens]")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}]")
         if self.temperature < 0:
             raise ValueError("temperature must be >= 0")
         if not 0 < self.top_p <= 1:

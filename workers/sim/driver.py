@@ -11,7 +11,7 @@ import base64
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import aiohttp
@@ -20,7 +20,8 @@ from kvindex.tiers import Tier
 from kvwire import LoadReport, WorkerInfo
 from workers.api import BlockExport, GenChunk, GenRequest, PrefetchResult, PrefetchSpec
 from workers.blockmeta import BlockMeta, meta_from_json, meta_to_json
-from workers.errors import BadRequest, Draining, EngineError
+from workers.chunkstream import ChunkStream
+from workers.errors import BadRequest, Draining, UnsupportedParameter
 from workers.fleetkeys import peer_bearer
 from workers.tokenizer import SimTokenizer
 from workers.usage import Usage
@@ -31,84 +32,47 @@ from .engine import SimEngine, SimRequest
 log = logging.getLogger(__name__)
 
 
-class _Failed(EngineError):
-    status = 500
-    type = "server_error"
-    code = "engine_error"
+class _SimStream(ChunkStream):
+    """One accepted request: engine callbacks in, `GenChunk`s out (filler text)."""
 
-
-class _SimStream:
-    """One accepted request: engine callbacks in, `GenChunk`s out."""
-
-    __slots__ = ("request_id", "usage", "finish_reason", "_driver", "_pending", "_pos", "_done", "_error", "_waiter")
+    __slots__ = ("_driver", "_count", "_pos")
 
     def __init__(self, driver: SimDriver, request_id: str) -> None:
-        self.request_id = request_id
-        self.usage: Usage | None = None
-        self.finish_reason: str | None = None
+        super().__init__(request_id)
         self._driver = driver
-        self._pending = 0
-        self._pos = 0
-        self._done = False
-        self._error: str | None = None
-        self._waiter: asyncio.Future[None] | None = None
+        self._count = 0  # tokens produced since the last chunk
+        self._pos = 0  # tokens handed out so far
 
     # engine callbacks (run inside SimEngine.advance)
     def on_first(self, t: float, u: Usage) -> None:
-        self._pending += 1
+        self._count += 1
         self._wake()
 
     def on_tokens(self, t: float, n: int) -> None:
-        self._pending += n
+        self._count += n
         self._wake()
 
     def on_finish(self, t: float, u: Usage) -> None:
         self.usage = u
         self.finish_reason = "length"
-        self._done = True
-        self._wake()
+        self._end()
 
     def on_error(self, t: float, msg: str) -> None:
-        self._error = msg
-        self._done = True
-        self._wake()
+        self._end(msg)
 
-    def _wake(self) -> None:
-        w = self._waiter
-        if w is not None and not w.done():
-            w.set_result(None)
+    def _pending(self) -> bool:
+        return self._count > 0
 
-    def __aiter__(self) -> AsyncIterator[GenChunk]:
-        return self._chunks()
+    def _take(self) -> GenChunk:
+        n, self._count = self._count, 0
+        ids, text = self._driver.tokenizer.filler(self._pos, n)
+        self._pos += n
+        return GenChunk(ids, text)
 
-    async def _chunks(self) -> AsyncIterator[GenChunk]:
-        loop = self._driver.loop
-        while True:
-            n = self._pending
-            if n:
-                self._pending = 0
-                ids, text = self._driver.tokenizer.filler(self._pos, n)
-                self._pos += n
-                yield GenChunk(ids, text)
-                continue
-            if self._done:
-                if self._error is not None:
-                    raise _Failed(self._error)
-                return
-            self._waiter = loop.create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-
-    def cancel(self) -> None:
-        if self._done:
-            return
-        self._done = True
+    def _abort(self) -> None:
         d = self._driver
         d.engine.cancel(self.request_id, d.now())
         d.schedule()
-        self._wake()
 
 
 class _HttpPeer:
@@ -236,8 +200,16 @@ class SimDriver:
         return rep
 
     async def generate(self, req: GenRequest) -> _SimStream:
+        """Accept a generation: exactly `max_tokens` filler tokens (so `min_tokens`, at most
+        that, always holds). Log-probabilities are refused: there is no model to give them."""
         if self.draining:
             raise Draining("this worker is draining: send the request elsewhere", retry_after=1.0)
+        if req.logprobs is not None:
+            raise UnsupportedParameter(
+                "logprobs is not supported by this worker: the simulated engine has no model to give "
+                "log-probabilities", param="logprobs")
+        if not 0 <= req.min_tokens <= req.max_tokens:
+            raise BadRequest("min_tokens must be in [0, max_tokens]", param="min_tokens")
         stream = _SimStream(self, req.request_id)
         sreq = SimRequest(
             req.request_id,

@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from kvwire import WorkerInfo
-from workers.errors import BadRequest, EngineError, NotFound
+from workers.errors import BadRequest, EngineError, NotFound, UnsupportedParameter
 from workers.schema import ErrorBody, ErrorInfo
 
 KEY_BYTES = 32
@@ -93,10 +93,8 @@ def json_response(obj: Any, status: int = 200) -> Response:
     return Response(ENCODER.encode(obj), status_code=status, media_type=JSON)
 
 
-class Unsupported(BadRequest):
+class Unsupported(UnsupportedParameter):
     """A request field this worker does not implement: refused, never silently dropped."""
-
-    code = "unsupported_parameter"
 
     def __init__(self, field: str, what: str | None = None) -> None:
         super().__init__(f"{what or field} is not supported by this worker", param=field)

@@ -18,6 +18,7 @@ from workers.metrics import WorkerMetrics
 from workers.schema import ChatBody, CompletionBody
 
 from .common import Limits, ServedModels, decode_object, read_body
+from .logprobs import MAX_LOGPROBS, TokenText
 from .prompts import chat_messages, check_ids, refuse_unsupported
 from .stream import GenResponse
 
@@ -72,6 +73,12 @@ class CompletionHandlers:
         mt = default_max if b.max_tokens is None else b.max_tokens
         if mt < 1:
             raise BadRequest("max_tokens must be at least 1", param="max_tokens")
+        if b.min_tokens < 0:
+            raise BadRequest("min_tokens must be >= 0", param="min_tokens")
+        if b.min_tokens > mt:
+            if b.max_tokens is not None:
+                raise BadRequest(f"min_tokens ({b.min_tokens}) must be <= max_tokens ({mt})", param="min_tokens")
+            mt = b.min_tokens  # this worker's default length gives way to the client's minimum
         spb = b.kv.shared_prefix_blocks if b.kv is not None else 0
         if spb < 0:
             raise BadRequest("kv.shared_prefix_blocks must be >= 0", param="kv.shared_prefix_blocks")
@@ -79,18 +86,40 @@ class CompletionHandlers:
         if len(rid) > 200:
             raise BadRequest("kv.request_id is longer than 200 characters", param="kv.request_id")
         return GenRequest(rid, ids, mt, b.cache_salt or None, spb, b.lora, b.ignore_eos,
-                          b.temperature, b.top_p, b.seed, b.stop)
+                          b.temperature, b.top_p, b.seed, b.stop, b.min_tokens, _logprobs(b))
 
     async def _start(self, gen: GenRequest, b: CompletionBody | ChatBody, model: str, chat: bool) -> Response:
         if self.engine.draining:
             raise Draining("this worker is draining: send the request elsewhere", retry_after=1.0)
         stream = await self.engine.generate(gen)
         usage = bool(b.stream_options and b.stream_options.include_usage)
-        return GenResponse(stream, chat=chat, model=model, streaming=b.stream, include_usage=usage, on_done=self._done)
+        tokens = TokenText(self.tokenizer) if gen.logprobs is not None else None
+        prompt_ids = gen.prompt_ids if b.return_token_ids else None
+        return GenResponse(stream, chat=chat, model=model, streaming=b.stream, include_usage=usage, on_done=self._done,
+                           logprobs=tokens, prompt_ids=prompt_ids)
 
     def _done(self, stream: GenStream) -> None:
         if stream.usage is not None:
             self.metrics.observe(stream.usage)
+
+
+def _logprobs(b: CompletionBody | ChatBody) -> int | None:
+    """How many alternatives per token the request wants log-probabilities of (None: no
+    log-probabilities): chat's `logprobs` + `top_logprobs`, the legacy `logprobs` count."""
+    if isinstance(b, ChatBody):
+        k = b.top_logprobs
+        if k is not None and not 0 <= k <= MAX_LOGPROBS:
+            raise BadRequest(f"top_logprobs must be in [0, {MAX_LOGPROBS}]", param="top_logprobs")
+        if k and not b.logprobs:
+            raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
+        return (k or 0) if b.logprobs else None
+    k = b.logprobs
+    if k is None or k is False:
+        return None
+    k = int(k)
+    if not 0 <= k <= MAX_LOGPROBS:
+        raise BadRequest(f"logprobs must be in [0, {MAX_LOGPROBS}]", param="logprobs")
+    return k
 
 
 def _refuse_batch(prompt: object) -> None:

@@ -15,11 +15,16 @@ from .common import Unsupported
 # Request fields of our own wire extension that `kvwire.openai` (OpenAI's fields) does
 # not list: `lora` scopes block keys to an adapter (docs/wire.md).
 WORKER_EXTENSIONS = frozenset({"lora"})
+# Fields the app hands to the engine in `GenRequest`, where the engine refuses what it
+# cannot honour (the simulated engine has no log-probabilities to give).
+ENGINE_FIELDS = frozenset({"min_tokens", "logprobs", "return_token_ids"})
+ENGINE_FIELDS_CHAT = ENGINE_FIELDS | {"top_logprobs"}
 
 
 def refuse_unsupported(body: Mapping[str, object], chat: bool) -> None:
     """400 naming the first field (or non-text content part) our engines do not implement."""
-    fields = [f for f in unsupported_fields(body, chat) if f not in WORKER_EXTENSIONS]
+    handled = WORKER_EXTENSIONS | (ENGINE_FIELDS_CHAT if chat else ENGINE_FIELDS)
+    fields = [f for f in unsupported_fields(body, chat) if f not in handled]
     if fields:
         raise Unsupported(fields[0])
     if chat:

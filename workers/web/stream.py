@@ -1,7 +1,9 @@
 """The response of an accepted generation: SSE chunks or one JSON body, per OpenAI.
 
-Chunks are built from byte templates (no JSON encoding of the whole object per token).
-A client that goes away cancels the generation at once, streaming or not: a listener
+Chunks are built from byte templates (no JSON encoding of the whole object per token);
+a request asking for log-probabilities or token ids (vLLM's `return_token_ids`: the
+prompt's ids in the first chunk, each chunk's generated ids) gets its choice encoded
+whole instead. A client that goes away cancels the generation at once, streaming or not: a listener
 on the ASGI receive channel sees `http.disconnect` while the response waits for tokens.
 """
 from __future__ import annotations
@@ -14,10 +16,11 @@ from typing import Any
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from workers.api import GenStream
+from workers.api import GenChunk, GenStream, TokenLogprob
 from workers.errors import EngineError
 
 from .common import ENCODER, from_engine_error, json_response
+from .logprobs import TokenText
 
 
 class GenResponse(Response):
@@ -32,8 +35,12 @@ class GenResponse(Response):
         streaming: bool,
         include_usage: bool,
         on_done: Callable[[GenStream], None],
+        logprobs: TokenText | None = None,
+        prompt_ids: list[int] | None = None,
     ) -> None:
         self.stream = stream
+        self.logprobs = logprobs  # set: the request asked for log-probabilities
+        self.prompt_ids = prompt_ids  # set: the request asked for token ids (`return_token_ids`)
         self.chat = chat
         self.model = model
         self.streaming = streaming
@@ -69,9 +76,14 @@ class GenResponse(Response):
     async def _whole(self, send: Send) -> None:
         stream = self.stream
         texts: list[str] = []
+        ids: list[int] = []
+        lps: list[TokenLogprob] = []
         try:
             async for ch in stream:
                 texts.append(ch.text)
+                ids += ch.token_ids
+                if ch.logprobs:
+                    lps += ch.logprobs
         except EngineError as e:
             await send_response(send, from_engine_error(e))
             return
@@ -91,7 +103,10 @@ class GenResponse(Response):
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
             obj = "text_completion"
-        body = {
+        tt = self.logprobs
+        if tt is not None:
+            choice["logprobs"] = {"content": tt.chat(ids, lps)} if self.chat else tt.legacy(ids, lps)
+        body: dict[str, Any] = {
             "id": rid,
             "object": obj,
             "created": created,
@@ -99,6 +114,12 @@ class GenResponse(Response):
             "choices": [choice],
             "usage": stream.usage.to_dict(),
         }
+        if self.prompt_ids is not None:
+            choice["token_ids"] = ids
+            if self.chat:
+                body["prompt_token_ids"] = self.prompt_ids
+            else:
+                choice["prompt_token_ids"] = self.prompt_ids
         self.on_done(stream)
         await send_response(send, json_response(body))
 
@@ -129,17 +150,26 @@ class GenResponse(Response):
             }
         )
         body = {"type": "http.response.body", "body": b"", "more_body": True}
+        enc = ENCODER.encode
         if self.chat:
             role = (
                 b',"choices":[{"index":0,"delta":{"role":"assistant","content":""},'
                 b'"logprobs":null,"finish_reason":null}]}'
             )
-            body["body"] = pre + role + b"\n\n"
+            prompt = b"" if self.prompt_ids is None else b',"prompt_token_ids":' + enc(self.prompt_ids)
+            body["body"] = pre + prompt + role + b"\n\n"
             await send(body)
-        enc = ENCODER.encode
+        whole = self.logprobs is not None or self.prompt_ids is not None
+        first = True
+        sent = 0  # characters of text sent
         try:
             async for ch in stream:
-                body["body"] = tok_pre + enc(ch.text) + tok_post
+                if whole:
+                    body["body"] = pre + b',"choices":[' + enc(self._choice(ch, first, sent)) + b"]}\n\n"
+                    first = False
+                    sent += len(ch.text)
+                else:
+                    body["body"] = tok_pre + enc(ch.text) + tok_post
                 await send(body)
         except EngineError as e:
             err = {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}}
@@ -151,6 +181,29 @@ class GenResponse(Response):
             return
         self.on_done(stream)
         await send({"type": "http.response.body", "body": self._tail(pre), "more_body": False})
+
+    def _choice(self, ch: GenChunk, first: bool, sent: int) -> dict[str, Any]:
+        """A token chunk's choice with its log-probabilities and token ids, as asked."""
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat:
+            choice["delta"] = {"content": ch.text}
+        else:
+            choice["text"] = ch.text
+        tt = self.logprobs
+        lps = ch.logprobs or []
+        if tt is None:
+            choice["logprobs"] = None
+        elif self.chat:
+            choice["logprobs"] = {"content": tt.chat(ch.token_ids, lps)}
+        else:
+            tt.offset = sent  # vLLM's streamed text_offset: from the text sent before this chunk
+            choice["logprobs"] = tt.legacy(ch.token_ids, lps)
+        choice["finish_reason"] = None
+        if self.prompt_ids is not None:
+            choice["token_ids"] = ch.token_ids
+            if first and not self.chat:
+                choice["prompt_token_ids"] = self.prompt_ids
+        return choice
 
     def _tail(self, pre: bytes) -> bytes:
         """The finish chunk, the usage chunk when asked for, and [DONE]."""
