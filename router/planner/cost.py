@@ -422,9 +422,8 @@ class RequestContext:
 
 
 def _invalid(w: WorkerView, why: str) -> Estimate:
-    return Estimate(
-        w.worker_id, {}, 0, {}, {}, 0, INF, 0.0, 0.0, INF, INF, eligible=False, note=f"invalid cost params: {why}"
-    )
+    return Estimate(worker_id=w.worker_id, recompute_tokens=0, t_queue=INF, t_prefill=INF, t_ttft=INF,
+                    eligible=False, note=f"invalid cost params: {why}")
 
 
 def estimate_worker(
@@ -522,8 +521,9 @@ def estimate_worker(
         crit = t_load
     n = N - k * B
     ride = decode_ride_seconds(c, n, running_decodes(w))
-    return Estimate(wid, matched, k, by_tier, pre, n, q, crit, t_load, cut.t_prefill + ride, cut.t_ttft + ride, True,
-                    note, peer_src)
+    return Estimate(worker_id=wid, matched_blocks=matched, load_blocks_by_tier=by_tier, prefetch_blocks=pre,
+                    recompute_tokens=n, t_queue=q, t_load=crit, t_load_total=t_load, t_prefill=cut.t_prefill + ride,
+                    t_ttft=cut.t_ttft + ride, note=note, peer_source=peer_src)
 
 
 def ttft_lower_bound(

@@ -124,19 +124,21 @@ class RouteRequest:
     request_id: str = ""
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class Estimate:
-    """The per-worker breakdown that `/admin/route/explain` shows."""
+    """The per-worker breakdown that `/admin/route/explain` shows (built by keyword)."""
 
     worker_id: str
-    matched_blocks: dict[Tier, int]  # leading blocks per tier (PEER: pullable from another worker)
-    load_blocks: int  # the cut k: blocks 1..k are loaded, the rest recomputed
-    load_blocks_by_tier: dict[Tier, int]
-    prefetch_blocks: dict[Tier, int]  # of those, what can be raised while queued
+    # Leading blocks per tier (PEER: pullable from another worker).
+    matched_blocks: dict[Tier, int] = field(default_factory=dict)
+    # Of those, the blocks 1..k loaded per tier (k: the cut, `load_blocks`); the rest is recomputed.
+    load_blocks_by_tier: dict[Tier, int] = field(default_factory=dict)
+    # Of those, what can be raised toward GPU while the request is queued.
+    prefetch_blocks: dict[Tier, int] = field(default_factory=dict)
     recompute_tokens: int
     t_queue: float
-    t_load: float  # load time left on the critical path after prefetch overlap
-    t_load_total: float  # load time if nothing were prefetched
+    t_load: float = 0.0  # load time left on the critical path after prefetch overlap
+    t_load_total: float = 0.0  # load time if nothing were prefetched
     t_prefill: float
     t_ttft: float
     eligible: bool = True
@@ -154,6 +156,11 @@ class Estimate:
     # Decode time its new GPU blocks would wait for on a worker past its KV capacity
     # (cost.memory_seconds); kv_cost adds MEMORY_WEIGHT x this to the score.
     t_memory: float = 0.0
+
+    @property
+    def load_blocks(self) -> int:
+        """The cut k: blocks 1..k are loaded (from the tiers of `load_blocks_by_tier`), the rest recomputed."""
+        return sum(self.load_blocks_by_tier.values())
 
 
 @dataclass(slots=True)
