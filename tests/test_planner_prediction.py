@@ -7,18 +7,18 @@ from tuned import tuned
 
 from kvindex.tiers import Tier
 from router.planner.calibration import Calibrator
-from router.planner.cost import (
-    coschedule_delay,
-    coschedule_load_s,
-    coschedule_seconds,
-    interference_delays,
-    may_coschedule,
-    prefill_seconds,
-    step_spare,
-)
 from router.planner.fleet import FleetWorker, RevisionKnobs, revision_knobs
 from router.planner.inflight import STARTS_KEPT_S, InflightLedger
 from router.planner.registry import make_policy
+from router.planner.terms.coschedule import (
+    coschedule_delay,
+    coschedule_load_s,
+    coschedule_seconds,
+    may_coschedule,
+    step_spare,
+)
+from router.planner.terms.interference import interference_delays
+from router.planner.terms.recompute import prefill_seconds
 from router.planner.types import CostParams, Estimate, RouteRequest, WorkerView
 
 
