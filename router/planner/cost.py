@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple
 
 from kvindex.tiers import Tier
 
@@ -31,9 +32,15 @@ def _invalid(w: WorkerView, why: str) -> Estimate:
                     eligible=False, note=f"invalid cost params: {why}")
 
 
+class _Pull(NamedTuple):
+    holder: str  # the worker to pull from
+    blocks: int  # its match's length
+    segs: list[Segment]  # the PEER segments to pull (none: nothing it can add)
+
+
 def _peer_pull(
     ctx: RequestContext, w: WorkerView, own: int, loadable: bool, usable: int, link_scales: Mapping[Tier, float] | None
-) -> tuple[str, int, list[Segment]] | None:
+) -> _Pull | None:
     """The other worker holding the longest match past `own` blocks, its length, and the
     PEER segments of blocks [own, usable) to pull from it (none unless the worker's own
     segments reach all `own` blocks: `loadable`). None without a usable PEER link."""
@@ -43,9 +50,9 @@ def _peer_pull(
         return None
     hid, hblocks = holder
     if not loadable or own >= usable:
-        return hid, hblocks, []
+        return _Pull(hid, hblocks, [])
     s = link_scales.get(_PEER, 1.0) if link_scales else 1.0
-    return hid, hblocks, ctx.peer_segments(hid, own, usable, pl, w.cost.block_bytes, s)
+    return _Pull(hid, hblocks, ctx.peer_segments(hid, own, usable, pl, w.cost.block_bytes, s))
 
 
 def estimate_worker(
@@ -79,11 +86,11 @@ def estimate_worker(
     pull = _peer_pull(ctx, w, own, not note and reach == own, u, link_scales) \
         if peer and overlap and w.supports_peer_pull and ctx.top else None
     if pull is not None:
-        matched[_PEER] = pull[1] - own
-        segs.extend(pull[2])
+        matched[_PEER] = pull.blocks - own
+        segs.extend(pull.segs)
     cut = scaled_best_cut(segs, ctx.prompt_tokens, c, q, overlap, prefill_scale)
     by_tier, pre = loaded_by_tier(segs, cut.k, overlap)
-    peer_src = pull[0] if pull is not None and pull[2] and _PEER in by_tier else None
+    peer_src = pull.holder if pull is not None and pull.segs and _PEER in by_tier else None
     n = ctx.prompt_tokens - cut.k * c.block_size
     ride = decode_ride_seconds(c, n, running_decodes(w))
     return Estimate(worker_id=w.worker_id, matched_blocks=matched, load_blocks_by_tier=by_tier, prefetch_blocks=pre,
