@@ -16,6 +16,15 @@ from typing import Any
 
 from .apply import DEFAULT_VERIFY_EVERY, EventApplier
 from .blockmap import SHARD_MASK, BlockMap, SweepPass, lookup
+from .errors import (
+    BadBlockSize,
+    BadNamespace,
+    BadVerifyEvery,
+    IndexError_,
+    IndexFull,
+    UnknownWorker,
+    WorkerAlreadyRegistered,
+)
 from .events import DecodedBatch, KVEvent, LazyBlockStored
 from .keys import KEY_BYTES, BlockHasher, digests64
 from .slots import LOCAL_TIERS, SlotTable, WorkerSlot
@@ -54,10 +63,6 @@ class PrefixMatch:
         return out
 
 
-class IndexError_(ValueError):
-    """A lifecycle call that cannot be honoured (unknown worker, bad block size, full)."""
-
-
 class PrefixIndex:
     """Blocks keyed by our chained keys, per worker and per tier; see the module doc."""
 
@@ -94,26 +99,24 @@ class PrefixIndex:
         `digest64` of its keys as block hashes (our engines, kind "kvroute"), so they
         are applied as they are; 1 in `verify_every` of its chain-root events is
         recomputed to catch a misconfigured worker (docs/index.md).
+        Raises WorkerAlreadyRegistered, BadNamespace, BadVerifyEvery, BadBlockSize or
+        IndexFull (kvindex/errors.py), each an IndexError_.
         """
         if worker_id in self._slots.workers:
-            raise IndexError_(f"worker {worker_id!r} is already registered")
+            raise WorkerAlreadyRegistered(worker_id)
         if len(ns_digest) != KEY_BYTES:
-            raise IndexError_(f"worker {worker_id!r}: the namespace digest must be {KEY_BYTES} bytes")
+            raise BadNamespace(worker_id, len(ns_digest), KEY_BYTES)
         if type(verify_every) is not int or verify_every < 1:
-            raise IndexError_(f"worker {worker_id!r}: verify_every must be a positive int, got {verify_every!r}")
+            raise BadVerifyEvery(worker_id, verify_every)
         bs = block_size or self.block_size
         if bs < 0 or bs % self.block_size:
-            raise IndexError_(
-                f"worker {worker_id!r} has block size {bs}, which is not a multiple of the "
-                f"index block size {self.block_size}; configure the worker's engine with a "
-                f"multiple of {self.block_size}"
-            )
+            raise BadBlockSize(worker_id, bs, self.block_size)
         group = remote_group or f"worker:{worker_id}"
-        slot = self._take_slot()
+        slot = self._take_slot(worker_id)
         gslot = self._slots.join_group(group)
         if gslot is None:
             self._slots.give_back([slot])
-            raise IndexError_(f"no free remote-group slots ({self._slots.size}); raise max_workers")
+            raise IndexFull(worker_id, self._slots.size, groups=True)
         hasher = self._hashers.get(ns_digest)
         if hasher is None:
             hasher = self._hashers[ns_digest] = BlockHasher(ns_digest, self.block_size)
@@ -140,7 +143,7 @@ class PrefixIndex:
         if not any(w.counts):
             return  # no local bits anywhere: keep the slot
         self._slots.retire(w)
-        w.slot = self._take_slot()
+        w.slot = self._take_slot(worker_id)
         w.counts = [0, 0, 0]
         self._slots.activate(w)
         self._maybe_start_sweep()
@@ -163,15 +166,15 @@ class PrefixIndex:
     def _get(self, worker_id: str) -> WorkerSlot:
         w = self._slots.workers.get(worker_id)
         if w is None:
-            raise IndexError_(f"unknown worker {worker_id!r}")
+            raise UnknownWorker(worker_id)
         return w
 
-    def _take_slot(self) -> int:
+    def _take_slot(self, worker_id: str) -> int:
         if not self._slots.free and (self._slots.retired or self._sweep is not None):
             self._finish_sweeps()
         slot = self._slots.take_slot()
         if slot is None:
-            raise IndexError_(f"index is full: {self._slots.size} workers (raise max_workers)")
+            raise IndexFull(worker_id, self._slots.size)
         return slot
 
     # ------------------------------------------------------------------ sweeping
@@ -227,7 +230,7 @@ class PrefixIndex:
     def apply(self, worker_id: str, batch: DecodedBatch | Sequence[KVEvent | LazyBlockStored]) -> ApplyStats:
         """Apply one batch of a worker's events, in order. Never raises on bad events.
 
-        Raises IndexError_ only for an unknown worker.
+        Raises UnknownWorker (an IndexError_) only.
         """
         w = self._get(worker_id)
         st = ApplyStats()

@@ -65,8 +65,9 @@ class IngestManager:
         (then `ns_digest` may be omitted, and the registration's own
         `trusted_digests` / `verify_every` apply, not these). `trusted_digests=True`
         for our own workers (kind "kvroute"; see `PrefixIndex.add_worker`). Raises
-        ValueError when already subscribed, IndexError_ for a refused registration
-        (e.g. block size), zmq.ZMQError for an endpoint that cannot be bound or parsed.
+        ValueError when already subscribed, an IndexError_ subclass for a refused
+        registration (kvindex/errors.py, e.g. BadBlockSize), zmq.ZMQError for an
+        endpoint that cannot be bound or parsed.
         """
         if worker_id in self._subs:
             raise ValueError(f"worker {worker_id!r} is already subscribed")

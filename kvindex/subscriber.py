@@ -21,8 +21,9 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from .errors import UnknownWorker
 from .events import END_SEQ, EventDecodeError, EventDecoder, seq_from_bytes, seq_to_bytes
-from .index import IndexError_, PrefixIndex
+from .index import PrefixIndex
 from .stats import ApplyStats
 
 log = logging.getLogger("kvindex.ingest")  # one logger for the whole ingest path
@@ -359,7 +360,7 @@ class WorkerSubscriber:
             return
         try:
             st = self.index.apply(self.worker_id, batch)
-        except IndexError_:  # the owner removed the worker from the index before stopping us
+        except UnknownWorker:  # the owner removed the worker from the index before stopping us
             h.unregistered += 1
             return
         h.events += len(batch.events)

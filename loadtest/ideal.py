@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from itertools import groupby
 
-from router.planner.cost import usable_blocks
+from router.planner.terms.cut import usable_blocks
 from workers.errors import RequestTooLarge
 from workers.sim import SimProfile
 

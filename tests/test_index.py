@@ -7,6 +7,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvindex.errors import (
+    BadBlockSize,
+    BadNamespace,
+    BadVerifyEvery,
+    IndexFull,
+    UnknownWorker,
+    WorkerAlreadyRegistered,
+)
 from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch, EventDecoder, EventEncoder
 from kvindex.index import IndexError_, PrefixIndex, PrefixMatch
 from kvindex.keys import BlockHasher, Namespace, digests64
@@ -47,6 +55,54 @@ def test_registration_rules():
     idx.remove_worker("b")
     idx.add_worker("c", NS.digest)  # the slot came back
     assert sorted(idx.workers()) == ["a", "c"]
+
+
+def test_each_refusal_has_its_type_and_fields():
+    """A caller tells the reasons apart by type and reads the fields, not the message."""
+    idx = PrefixIndex(16, max_workers=1)
+    with pytest.raises(BadBlockSize) as bs:
+        idx.add_worker("a", NS.digest, block_size=24)
+    assert (bs.value.worker_id, bs.value.block_size, bs.value.index_block_size) == ("a", 24, 16)
+    with pytest.raises(BadNamespace) as ns:
+        idx.add_worker("a", b"short")
+    assert (ns.value.worker_id, ns.value.digest_bytes, ns.value.expected_bytes) == ("a", 5, 32)
+    with pytest.raises(BadVerifyEvery) as ve:
+        idx.add_worker("a", NS.digest, verify_every=True)
+    assert (ve.value.worker_id, ve.value.verify_every) == ("a", True)
+    idx.add_worker("a", NS.digest)
+    with pytest.raises(WorkerAlreadyRegistered) as dup:
+        idx.add_worker("a", NS.digest)
+    assert dup.value.worker_id == "a"
+    with pytest.raises(IndexFull) as full:
+        idx.add_worker("b", NS.digest)
+    assert (full.value.worker_id, full.value.max_workers, full.value.groups) == ("b", 1, False)
+    for call in (idx.remove_worker, idx.clear_worker, idx.set_draining, idx.local_blocks):
+        with pytest.raises(UnknownWorker) as unknown:
+            call("zz")
+        assert unknown.value.worker_id == "zz"
+    with pytest.raises(UnknownWorker):
+        idx.store_keys("zz", [])
+    with pytest.raises(UnknownWorker):
+        idx.remove_digests("zz", [])
+    for e in (bs, ns, ve, dup, full, unknown):
+        assert isinstance(e.value, IndexError_) and isinstance(e.value, ValueError)
+    assert "index is full: 1 workers" in str(full.value)
+
+
+def test_a_remote_group_keeps_its_slot_while_it_holds_blocks():
+    """A removed worker's group stays while it holds REMOTE entries: with every group slot
+    so taken, a worker that would need a new group is refused (and its slot given back)."""
+    idx = PrefixIndex(BS, max_workers=1)
+    idx.add_worker("a", NS.digest)
+    idx.store_keys("a", HASHER.keys(toks(1, 2)), Tier.REMOTE)
+    idx.remove_worker("a")
+    with pytest.raises(IndexFull) as full:
+        idx.add_worker("b", NS.digest)
+    assert (full.value.worker_id, full.value.max_workers, full.value.groups) == ("b", 1, True)
+    assert str(full.value) == "no free remote-group slots (1); raise max_workers"
+    assert not idx.has_worker("b")
+    idx.add_worker("b", NS.digest, remote_group="worker:a")  # the group that holds the slot
+    assert idx.workers() == ["b"]
 
 
 def test_tiers_groups_draining_and_filters():

@@ -8,7 +8,9 @@ import pytest
 
 from kvindex.tiers import Tier
 from router.planner.calibration import Calibrator
-from router.planner.cost import decode_ride_seconds, load_seconds, prefill_seconds
+from router.planner.terms.decode_ride import decode_ride_seconds
+from router.planner.terms.kv_load import load_seconds
+from router.planner.terms.recompute import prefill_seconds
 from router.planner.types import CostParams, Link
 
 BASE = CostParams(

@@ -9,22 +9,14 @@ from hypothesis import strategies as st
 
 from kvindex.index import PrefixMatch
 from kvindex.tiers import Tier
-from router.planner.cost import (
-    RequestContext,
-    best_cut,
-    decode_ride_seconds,
-    estimate_all,
-    estimate_worker,
-    interference_delays,
-    load_seconds,
-    memory_seconds,
-    prefill_seconds,
-    split_by_tier,
-    ttft_at,
-    ttft_lower_bound,
-    usable_blocks,
-)
+from router.planner.cost import RequestContext, estimate_all, estimate_worker, ttft_lower_bound
 from router.planner.load import outstanding_requests, pending_prefill_tokens, queue_seconds, waiting_requests
+from router.planner.terms.cut import best_cut, split_by_tier, ttft_at, usable_blocks
+from router.planner.terms.decode_ride import decode_ride_seconds
+from router.planner.terms.interference import interference_delays
+from router.planner.terms.kv_load import load_seconds
+from router.planner.terms.memory import memory_seconds
+from router.planner.terms.recompute import prefill_seconds
 from router.planner.types import CostParams, Link, RouteRequest, WorkerView
 
 

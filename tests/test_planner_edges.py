@@ -17,15 +17,11 @@ from kvindex.index import PrefixMatch
 from kvindex.tiers import Tier
 from router.planner import make_policy
 from router.planner.calibration import Calibrator
-from router.planner.cost import (
-    RequestContext,
-    estimate_worker,
-    load_seconds,
-    prefill_seconds,
-    ttft_lower_bound,
-)
+from router.planner.cost import RequestContext, estimate_worker, ttft_lower_bound
 from router.planner.fleet import PrefetchRule, plan_prefetch
 from router.planner.inflight import InflightLedger
+from router.planner.terms.kv_load import load_seconds
+from router.planner.terms.recompute import prefill_seconds
 from router.planner.types import CostParams, Decision, Link, RouteRequest, WorkerView
 
 B = 16

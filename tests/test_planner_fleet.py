@@ -132,7 +132,7 @@ def _decision(k: int, peer: str | None = None) -> Decision:
 
 
 def _estimate(t_queue: float) -> Estimate:
-    return Estimate("w", {}, 0, {}, {}, 0, t_queue, 0.0, 0.0, 0.0, t_queue)
+    return Estimate(worker_id="w", recompute_tokens=0, t_queue=t_queue, t_prefill=0.0, t_ttft=t_queue)
 
 
 RULE = PrefetchRule(enabled=True, min_blocks=2, margin_s=0.05, min_deadline_s=0.2)

@@ -13,8 +13,8 @@ def view() -> WorkerView:
 
 def est(t_queue: float = 0.2, t_load: float = 0.3, t_load_total: float = 0.5, t_prefill: float = 0.1,
         eligible: bool = True) -> Estimate:
-    return Estimate("w", {}, 0, {}, {}, 100, t_queue, t_load, t_load_total, t_prefill,
-                    t_queue + t_load + t_prefill, eligible=eligible)
+    return Estimate(worker_id="w", recompute_tokens=100, t_queue=t_queue, t_load=t_load, t_load_total=t_load_total,
+                    t_prefill=t_prefill, t_ttft=t_queue + t_load + t_prefill, eligible=eligible)
 
 
 def test_counts_follow_dispatch_first_token_and_finish() -> None:

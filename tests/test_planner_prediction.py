@@ -7,18 +7,18 @@ from tuned import tuned
 
 from kvindex.tiers import Tier
 from router.planner.calibration import Calibrator
-from router.planner.cost import (
-    coschedule_delay,
-    coschedule_load_s,
-    coschedule_seconds,
-    interference_delays,
-    may_coschedule,
-    prefill_seconds,
-    step_spare,
-)
 from router.planner.fleet import FleetWorker, RevisionKnobs, revision_knobs
 from router.planner.inflight import STARTS_KEPT_S, InflightLedger
 from router.planner.registry import make_policy
+from router.planner.terms.coschedule import (
+    coschedule_delay,
+    coschedule_load_s,
+    coschedule_seconds,
+    may_coschedule,
+    step_spare,
+)
+from router.planner.terms.interference import interference_delays
+from router.planner.terms.recompute import prefill_seconds
 from router.planner.types import CostParams, Estimate, RouteRequest, WorkerView
 
 
@@ -123,9 +123,12 @@ def test_a_prefetched_newcomer_rides_only_when_its_kv_lands_before_their_step() 
     assert coschedule_delay(later, c, q, 1000, 512, 10, load_s=0.04) > 0.0
     assert coschedule_delay(later, c, q, 1000, 512, 10, load_s=0.07) == 0.0
     # which estimates may ride at all: no load, or (with prefetch) a load hidden in the queue
-    hidden = Estimate("w0", {Tier.CPU: 8}, 8, {Tier.CPU: 8}, {Tier.CPU: 8}, 1000, 0.02, 0.0, 0.004, 0.03, 0.05, True)
-    exposed = Estimate("w0", {Tier.CPU: 8}, 8, {Tier.CPU: 8}, {Tier.CPU: 8}, 1000, 0.0, 0.004, 0.004, 0.03, 0.034,
-                       True)
+    cpu8 = {Tier.CPU: 8}
+    hidden = Estimate(worker_id="w0", matched_blocks=cpu8, load_blocks_by_tier=cpu8, prefetch_blocks=cpu8,
+                      recompute_tokens=1000, t_queue=0.02, t_load=0.0, t_load_total=0.004, t_prefill=0.03, t_ttft=0.05)
+    exposed = Estimate(worker_id="w0", matched_blocks=cpu8, load_blocks_by_tier=cpu8, prefetch_blocks=cpu8,
+                       recompute_tokens=1000, t_queue=0.0, t_load=0.004, t_load_total=0.004, t_prefill=0.03,
+                       t_ttft=0.034)
     assert may_coschedule(hidden, overlap=True) and coschedule_load_s(hidden, True) == 0.004
     assert not may_coschedule(hidden, overlap=False) and coschedule_load_s(hidden, False) == 0.0
     assert not may_coschedule(exposed, overlap=True)
@@ -147,7 +150,7 @@ def test_interference_delays_each_loading_request_by_what_overlaps_its_landing()
 
 def test_ledger_lists_requests_not_started_and_drops_them_once_started() -> None:
     led = InflightLedger("w0")
-    e = Estimate("w0", {}, 0, {}, {}, 500, 0.2, 0.0, 0.0, 0.01, 0.21, True)
+    e = Estimate(worker_id="w0", recompute_tokens=500, t_queue=0.2, t_prefill=0.01, t_ttft=0.21)
     t = led.dispatched(10.0, 500, 600, e)
     v = WorkerView("w0", cost())
     led.fill(v, 10.1)
@@ -159,7 +162,9 @@ def test_ledger_lists_requests_not_started_and_drops_them_once_started() -> None
     led.fill(v, 11.1)
     assert v.inflight_starts == ()
     # a request loading KV from below GPU is in inflight_loads instead
-    eload = Estimate("w0", {Tier.CPU: 4}, 4, {Tier.CPU: 4}, {Tier.CPU: 4}, 100, 0.0, 0.05, 0.05, 0.01, 0.06, True)
+    cpu4 = {Tier.CPU: 4}
+    eload = Estimate(worker_id="w0", matched_blocks=cpu4, load_blocks_by_tier=cpu4, prefetch_blocks=cpu4,
+                     recompute_tokens=100, t_queue=0.0, t_load=0.05, t_load_total=0.05, t_prefill=0.01, t_ttft=0.06)
     led.dispatched(12.0, 100, 200, eload)
     led.fill(v, 12.0)
     assert v.inflight_starts == () and len(v.inflight_loads) == 1
@@ -245,12 +250,12 @@ def test_a_dispatch_revises_the_requests_it_will_delay_on_that_worker() -> None:
     it overlaps the landing; no estimate (or an ineligible one) revises nothing."""
     c = cost()
     fw = FleetWorker(WorkerView("w0", c, running_requests=4))
-    first = Estimate("w0", {}, 0, {}, {}, 400, 0.01, 0.0, 0.0, prefill_seconds(c, 400, 0),
-                     0.01 + prefill_seconds(c, 400, 0), True)
+    first = Estimate(worker_id="w0", recompute_tokens=400, t_queue=0.01, t_prefill=prefill_seconds(c, 400, 0),
+                     t_ttft=0.01 + prefill_seconds(c, 400, 0))
     t1 = fw.dispatched(10.0, 400, 500, first)
     q2 = 0.01 + prefill_seconds(c, 400, 0)
-    second = Estimate("w0", {}, 0, {}, {}, 1000, q2, 0.0, 0.0, prefill_seconds(c, 1000, 0),
-                      q2 + prefill_seconds(c, 1000, 0), True)
+    second = Estimate(worker_id="w0", recompute_tokens=1000, t_queue=q2, t_prefill=prefill_seconds(c, 1000, 0),
+                      t_ttft=q2 + prefill_seconds(c, 1000, 0))
     out = fw.revise_ahead(second, 10.0, RevisionKnobs())
     assert out == [(t1, pytest.approx(prefill_seconds(c, 1000, 0)))]
     assert t1.revised_s == pytest.approx(prefill_seconds(c, 1000, 0))
@@ -258,10 +263,12 @@ def test_a_dispatch_revises_the_requests_it_will_delay_on_that_worker() -> None:
     second.eligible = False
     assert fw.revise_ahead(second, 10.0, RevisionKnobs()) == []
     # a request loading its KV until 10.3 s: a newcomer prefilling 10.1-10.4 s holds it 0.1 s
-    loading = Estimate("w0", {Tier.CPU: 4}, 4, {Tier.CPU: 4}, {Tier.CPU: 4}, 100, 0.0, 0.3, 0.3, 0.05, 0.35, True)
+    cpu4 = {Tier.CPU: 4}
+    loading = Estimate(worker_id="w0", matched_blocks=cpu4, load_blocks_by_tier=cpu4, prefetch_blocks=cpu4,
+                       recompute_tokens=100, t_queue=0.0, t_load=0.3, t_load_total=0.3, t_prefill=0.05, t_ttft=0.35)
     fw2 = FleetWorker(WorkerView("w1", c, running_requests=4))
     t2 = fw2.dispatched(10.0, 100, 400, loading)
-    late = Estimate("w1", {}, 0, {}, {}, 9000, 0.15, 0.0, 0.0, 0.3, 0.45, True)
+    late = Estimate(worker_id="w1", recompute_tokens=9000, t_queue=0.15, t_prefill=0.3, t_ttft=0.45)
     assert fw2.revise_ahead(late, 10.0, RevisionKnobs()) == [(t2, pytest.approx(0.1))]
 
 

@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from router.planner.cost import prefill_seconds
 from router.planner.speedfit import MIN_SAMPLES, FitState, Sample, SpeedFit, fit_samples
+from router.planner.terms.recompute import prefill_seconds
 from router.planner.types import CostParams
 
 

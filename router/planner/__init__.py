@@ -2,8 +2,9 @@
 so the offline simulator runs the very same code as the gateway.
 
 Entry points: `make_policy(name, **params)` / `POLICY_NAMES` (registry.py), the
-`Policy` contract and its data types (types.py), the cost model (cost.py, load.py),
-online calibration (calibration.py) and `explain` for /admin/route/explain.
+`Policy` contract and its data types (types.py), the cost model (cost.py composing the
+terms of terms/, and load.py), online calibration (calibration.py) and `explain` for
+/admin/route/explain.
 """
 from __future__ import annotations
 

@@ -18,8 +18,9 @@ from typing import ClassVar
 from kvindex.tiers import Tier
 
 from .calibration import Calibrator
-from .cost import RequestContext, estimate_worker, running_decodes
+from .cost import RequestContext, estimate_worker
 from .load import at_cap, queue_seconds
+from .terms.decode_ride import running_decodes
 from .types import CostParams, Decision, RouteRequest, WorkerView
 
 # The prefill scale every policy calibrates with: this quantile of the recent observed /

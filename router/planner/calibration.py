@@ -20,7 +20,9 @@ from typing import Any
 
 from kvindex.tiers import Tier
 
-from .cost import decode_ride_seconds, load_seconds, prefill_seconds
+from .terms.decode_ride import decode_ride_seconds
+from .terms.kv_load import load_seconds
+from .terms.recompute import prefill_seconds
 from .types import CostParams, Link
 
 _TIER_BY_NAME = {t.name: t for t in Tier}

@@ -14,9 +14,10 @@ from kvindex.index import PrefixMatch
 from kvindex.tiers import Tier
 from kvwire import LoadReport
 
-from .cost import COSCHEDULE_SLACK_S, coschedule_delay, coschedule_load_s, interference_delays, may_coschedule
 from .inflight import InflightLedger, Ticket
 from .speedfit import Sample, SpeedFit
+from .terms.coschedule import COSCHEDULE_SLACK_S, coschedule_delay, coschedule_load_s, may_coschedule
+from .terms.interference import interference_delays
 from .types import Decision, Estimate, Link, WorkerView
 
 TIER_BY_NAME: dict[str, Tier] = {t.name: t for t in Tier}
@@ -172,9 +173,9 @@ class FleetWorker:
         sent before that the newcomer will delay, each with its delay, which is added to
         its ticket's `revised_s` (docs/planner.md, "Predictions revised by what the router
         sends next"). Those not started whose (last) step it rides in get their first
-        token one chunk later (cost.coschedule_delay); those still loading their KV, which
+        token one chunk later (terms/coschedule.py); those still loading their KV, which
         the engine passes over while they load, wait for its prefill where it overlaps
-        their landing (cost.interference_delays)."""
+        their landing (terms/interference.py)."""
         if est is None or not est.eligible:
             return []
         v, led = self.view, self.ledger

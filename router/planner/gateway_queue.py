@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from .cost import usable_blocks
+from .terms.cut import usable_blocks
 
 T = TypeVar("T")
 ORDERS = ("fifo", "spf")

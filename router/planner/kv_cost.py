@@ -23,28 +23,17 @@ from kvindex.tiers import Tier
 
 from .base import PolicyBase, check_bool, check_number, clamp_retry
 from .cache_aware import CacheAwarePolicy
-from .cost import (
-    INF,
-    RequestContext,
-    coschedule_load_s,
-    coschedule_seconds,
-    estimate_worker,
-    interference_delays,
-    may_coschedule,
-    memory_seconds,
-    running_decodes,
-    ttft_lower_bound,
-)
+from .cost import INF, RequestContext, estimate_worker, ttft_lower_bound
 from .kv_cost_tuning import DEFAULT, KVCostTuning
 from .load import at_cap, outstanding_requests
-from .types import Decision, Estimate, RouteRequest, WorkerView
+from .terms.coschedule import coschedule_load_s, coschedule_seconds, may_coschedule
+from .terms.decode_ride import running_decodes
+from .terms.interference import interference_delays
+from .terms.memory import memory_seconds
+from .terms.saturation import sticky_pick
+from .types import Decision, Estimate, RouteRequest, WorkerView, by_score
 
 LinkScales = dict[Tier, float]
-
-
-def _by_score(e: Estimate) -> float:
-    s = e.score
-    return e.t_ttft if s is None else s
 
 
 @dataclass(slots=True)
@@ -136,7 +125,7 @@ class KVCostPolicy(PolicyBase):
             if not fits:
                 return Decision(None, self.name, "shed_slo", predicted_ttft=best.t_ttft, estimates=estimates,
                                 retry_after_s=clamp_retry(best.t_ttft - slo))
-            chosen, reason = min(fits, key=_by_score), "slo_over_balance"
+            chosen, reason = min(fits, key=by_score), "slo_over_balance"
         else:
             chosen = self._tie_break(pool, best)
             reason = "min_ttft" if chosen is best else "tie_less_load"
@@ -245,7 +234,7 @@ class KVCostPolicy(PolicyBase):
                 break
             e = self._estimate(ctx, r)
             pool.append(e)
-            t = _by_score(e)
+            t = by_score(e)
             if t < best_t:
                 best_t, second_t = t, best_t
             elif t < second_t:
@@ -256,12 +245,12 @@ class KVCostPolicy(PolicyBase):
 
     def _best(self, pool: list[Estimate]) -> Estimate:
         """The best score; with an SLO, the best score among those meeting it, if any."""
-        best = min(pool, key=_by_score)
+        best = min(pool, key=by_score)
         slo = self.max_ttft_s
         if slo is not None and best.t_ttft > slo:
             meets = [e for e in pool if e.t_ttft <= slo]
             if meets:
-                best = min(meets, key=_by_score)
+                best = min(meets, key=by_score)
         return best
 
     def _evaluate_held(self, ctx: RequestContext, split: _Split, best: Estimate) -> list[Estimate]:
@@ -278,44 +267,28 @@ class KVCostPolicy(PolicyBase):
             e.eligible = False
             e.note = f"bounded load: {r.load:g} outstanding > {split.limit - 1:.3g}" + (f"; {e.note}" if e.note else "")
             held.append(e)
-            best_held = min(best_held, _by_score(e))
+            best_held = min(best_held, by_score(e))
         return held
 
-    def _held(self, e: Estimate) -> int:
-        """Leading blocks of the prompt this worker holds itself (not what it would pull)."""
-        m = e.matched_blocks
-        n = m.get(Tier.GPU, 0)
-        if self.tuning.saturation_local_tiers:
-            n += m.get(Tier.CPU, 0) + m.get(Tier.DISK, 0)
-        return n
-
     def _sticky(self, pool: list[Estimate], best: Estimate, chosen: Estimate, band: float) -> Estimate | None:
-        """In saturation, the worker within the band that holds the most of the prompt;
-        None when none holds more than the best and the tie-break's pick. A follow-up then
-        stays where its conversation's KV already sits in GPU memory (shared with the turn
-        still decoding there) instead of taking fresh blocks elsewhere on a queue estimate
-        that is seconds off anyway (docs/planner.md, "Saturation")."""
-        bound = _by_score(best) * (1.0 + band) + self.tuning.saturation_abs_s
-        slo = self.max_ttft_s
-        pick, top = None, max(self._held(best), self._held(chosen))
-        for e in pool:
-            if _by_score(e) > bound or (slo is not None and e.t_ttft > slo):
-                continue
-            h = self._held(e)
-            if h > top or (h == top and pick is not None and _by_score(e) < _by_score(pick)):
-                pick, top = e, h
-        return pick
+        """In saturation, the worker within the band that holds the most of the prompt
+        (terms/saturation.py); None when none holds more than the best and the tie-break's
+        pick. A follow-up then stays where its conversation's KV already sits in GPU memory
+        (shared with the turn still decoding there) instead of taking fresh blocks elsewhere
+        on a queue estimate that is seconds off anyway (docs/planner.md, "Saturation")."""
+        t = self.tuning
+        return sticky_pick(pool, best, chosen, band, t.saturation_abs_s, self.max_ttft_s, t.saturation_local_tiers)
 
     def _tie_break(self, pool: list[Estimate], best: Estimate) -> Estimate:
         """Within the tie window of the best score: fewest outstanding, then shortest queue."""
         slo = self.max_ttft_s
-        bound = _by_score(best) * (1.0 + self.tuning.tie_margin) + self.tuning.tie_abs_s
+        bound = by_score(best) * (1.0 + self.tuning.tie_margin) + self.tuning.tie_abs_s
         chosen = best
         for e in pool:
             if slo is not None and e.t_ttft > slo:
                 continue
-            if _by_score(e) <= bound and (e.load, e.t_queue, _by_score(e)) < (
-                chosen.load, chosen.t_queue, _by_score(chosen)
+            if by_score(e) <= bound and (e.load, e.t_queue, by_score(e)) < (
+                chosen.load, chosen.t_queue, by_score(chosen)
             ):
                 chosen = e
         return chosen
@@ -324,8 +297,8 @@ class KVCostPolicy(PolicyBase):
     def _ranked(chosen: Estimate, pool: list[Estimate], split: _Split, n_eval: int, held: list[Estimate]) -> list[str]:
         """Fallback order for retries: evaluated pool by score, the unevaluated pool in
         bound order, then the held workers likewise."""
-        pool = sorted(pool, key=_by_score)
-        held = sorted(held, key=_by_score)
+        pool = sorted(pool, key=by_score)
+        held = sorted(held, key=by_score)
         ranked = [chosen.worker_id]
         ranked += [e.worker_id for e in pool if e is not chosen]
         ranked += [r.view.worker_id for r in split.pool[n_eval:]]

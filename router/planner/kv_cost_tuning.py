@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from .base import PREFILL_QUANTILE, TTFT_OFFSET, check_bool, check_int, check_number
-from .cost import COSCHEDULE_SLACK_S
+from .terms.coschedule import COSCHEDULE_SLACK_S
 
 # Near-tie window, relative: none measured; ties go to the less loaded (planner.md, kv_cost step 3).
 TIE_MARGIN = 0.03

@@ -31,7 +31,7 @@ from enum import StrEnum
 
 import numpy as np
 
-from .cost import prefill_seconds
+from .terms.recompute import prefill_seconds
 from .types import CostParams
 
 WINDOW = 64  # samples a fit looks at: recent enough to follow a change in minutes

@@ -38,7 +38,7 @@ class CostParams:
     decode_step_s: float = 0.0
     # The worker's step token budget (vLLM's max_num_batched_tokens; 8192 is its default on
     # large GPUs), shared by the running decodes and the prefill chunks of one step
-    # (cost.coschedule_seconds).
+    # (terms/coschedule.py).
     max_batched_tokens: int = 8192
     # What each request decoding on the worker adds to a newcomer's first token, as measured
     # (speedfit.py): on an engine whose server shares its cores with the running streams,
@@ -53,63 +53,46 @@ class CostParams:
 
 @dataclass(slots=True)
 class WorkerView:
-    """One worker as the planner sees it at decision time."""
+    """One worker as the planner sees it at decision time: its last load report (or the
+    simulator's truth), the router's own in-flight accounting since, and its capabilities.
+    None / 0 in an optional field means unknown (load.py and the terms fall back)."""
 
     worker_id: str
-    cost: CostParams
-    # From the last load report (or the simulator's truth).
-    waiting_requests: int = 0
-    waiting_prefill_tokens: int = 0
-    running_requests: int = 0
-    est_queue_s: float = 0.0  # the worker's own estimate, when it gives one
-    gpu_free_blocks: int = 0
-    gpu_capacity_blocks: int = 0
-    # Tokens per block of those two counts (the worker's engine block size); 0 = unknown
-    # (vLLM's metrics give a usage fraction, on a made-up scale without cache_config_info):
-    # no GPU-memory pricing then (cost.memory_seconds).
+    cost: CostParams  # its speeds and tier links
+    # --- from the last load report
+    waiting_requests: int = 0  # requests queued, not started
+    waiting_prefill_tokens: int = 0  # prompt tokens of those
+    running_requests: int = 0  # requests started (prefilling or decoding)
+    est_queue_s: float = 0.0  # the worker's own queue-wait estimate, when it gives one
+    gpu_free_blocks: int = 0  # free GPU KV blocks
+    gpu_capacity_blocks: int = 0  # all GPU KV blocks
+    # Tokens per block of the two counts above (its engine block size); 0 = unknown (vLLM without cache_config_info).
     gpu_block_tokens: int = 0
-    report_age_s: float = 0.0
-    # The router's own accounting since that report (reports lag).
+    report_age_s: float = 0.0  # how old that report is
+    # --- the router's own accounting (reports lag)
     inflight_requests: int = 0  # dispatched, not finished
-    # dispatched, first token not yet seen: the tokens the worker must compute for them
-    # (the chosen Estimate.recompute_tokens when the policy gave one, else prompt tokens)
+    # Tokens to compute for those without a first token yet (their Estimate.recompute_tokens, else the prompt).
     inflight_prefill_tokens: int = 0
-    # Caps and capabilities.
-    max_waiting: int | None = None
-    supports_prefetch: bool = True
-    supports_peer_pull: bool = False
-    url: str = ""
-    # Optional, more precise inputs (None/0 = unknown; router/planner/load.py falls back).
-    running_prefill_tokens: int = 0  # /load: prefill tokens still to compute for running requests
-    # Dispatched AFTER the last report was taken (so the report cannot know them); when the
-    # gateway tracks these, T_queue adds them to the aged report instead of guessing overlap.
+    # --- caps and capabilities
+    max_waiting: int | None = None  # its waiting-queue cap (it answers 429 past it); None = none
+    supports_prefetch: bool = True  # raises blocks toward GPU before the request arrives
+    supports_peer_pull: bool = False  # can pull blocks from another worker (the PEER tier)
+    url: str = ""  # where it serves
+    # --- optional, more precise inputs
+    running_prefill_tokens: int = 0  # from the report: prefill tokens still to compute for running requests
+    # Requests dispatched after the last report was taken (None = not tracked: T_queue then guesses the overlap).
     inflight_since_report_requests: int | None = None
-    inflight_since_report_prefill_tokens: int | None = None
-    # KV tokens held by this router's in-flight requests (prompt + generated so far), for the
-    # Dynamo-style decode-load term; None falls back to the GPU blocks in use.
+    inflight_since_report_prefill_tokens: int | None = None  # their prefill tokens (None as above)
+    # KV tokens of its in-flight requests (prompt + generated), for decode load and memory; None = GPU blocks in use.
     active_kv_tokens: int | None = None
-    # The router's in-flight requests on this worker that load KV from below GPU
-    # (Estimate.t_load_total > 0) and have no first token yet: one `(ready_s, prefill_s)`
-    # each, the seconds from now until its load is predicted to land and its prefill to
-    # start (dispatch + its Estimate's t_queue + t_load, minus the time elapsed; may be
-    # slightly negative: predicted landed, no first token seen yet) and its predicted
-    # prefill seconds (Estimate.t_prefill). A newcomer that starts prefilling before such a
-    # request's load lands takes the step budget ahead of it (the engine serves prefills in
-    # the order they started), so kv_cost/kv_cost_true_state charge it that delay
-    # (cost.interference_delays). Empty = none known (the term is then 0).
+    # `(ready_s, prefill_s)` per in-flight request still loading KV from below GPU (terms/interference.py).
     inflight_loads: Sequence[tuple[float, float]] = ()
-    # The router's in-flight requests on this worker predicted not to have started their
-    # prefill yet and small enough to finish in their first step: one `(start_s,
-    # prefill_tokens)` each (seconds from now until the predicted start, which may be
-    # slightly negative; tokens to compute). A newcomer admitted in the same step takes the
-    # budget they leave, and the step (so their first token) lasts its chunk longer
-    # (cost.coschedule_seconds). Empty = none known.
+    # `(start_s, prefill_tokens)` per in-flight request predicted not to have started (terms/coschedule.py).
     inflight_starts: Sequence[tuple[float, int]] = ()
-    # Where `cost`'s speeds come from: False while they are only the router's defaults (a
-    # vLLM server with no `cost:` not yet measured): kv_cost then routes by cache affinity
-    # and load. `speeds_fitted`: a SpeedFit measured them (calibration then leaves them be).
+    # --- where `cost`'s speeds come from
+    # False while they are only the router's defaults: kv_cost then routes by cache affinity and load.
     speeds_known: bool = True
-    speeds_fitted: bool = False
+    speeds_fitted: bool = False  # a SpeedFit measured them (calibration then leaves them be)
 
 
 @dataclass(slots=True)
@@ -124,19 +107,21 @@ class RouteRequest:
     request_id: str = ""
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class Estimate:
-    """The per-worker breakdown that `/admin/route/explain` shows."""
+    """The per-worker breakdown that `/admin/route/explain` shows (built by keyword)."""
 
     worker_id: str
-    matched_blocks: dict[Tier, int]  # leading blocks per tier (PEER: pullable from another worker)
-    load_blocks: int  # the cut k: blocks 1..k are loaded, the rest recomputed
-    load_blocks_by_tier: dict[Tier, int]
-    prefetch_blocks: dict[Tier, int]  # of those, what can be raised while queued
+    # Leading blocks per tier (PEER: pullable from another worker).
+    matched_blocks: dict[Tier, int] = field(default_factory=dict)
+    # Of those, the blocks 1..k loaded per tier (k: the cut, `load_blocks`); the rest is recomputed.
+    load_blocks_by_tier: dict[Tier, int] = field(default_factory=dict)
+    # Of those, what can be raised toward GPU while the request is queued.
+    prefetch_blocks: dict[Tier, int] = field(default_factory=dict)
     recompute_tokens: int
     t_queue: float
-    t_load: float  # load time left on the critical path after prefetch overlap
-    t_load_total: float  # load time if nothing were prefetched
+    t_load: float = 0.0  # load time left on the critical path after prefetch overlap
+    t_load_total: float = 0.0  # load time if nothing were prefetched
     t_prefill: float
     t_ttft: float
     eligible: bool = True
@@ -144,16 +129,27 @@ class Estimate:
     peer_source: str | None = None  # worker to pull PEER blocks from
     load: float = 0.0  # outstanding requests (what the bounded-load guard and tie-breaks compare)
     # Delay this request would impose on requests already loading on the worker (seconds,
-    # summed over them; cost.interference_delays), and what kv_cost ranks by:
+    # summed over them; terms/interference.py), and what kv_cost ranks by:
     # t_ttft + INTERFERENCE_WEIGHT * t_interference (None = t_ttft: not computed).
     t_interference: float = 0.0
     score: float | None = None
     # Of t_interference: the part from requests not started yet whose step it would share
-    # (cost.coschedule_seconds); the rest is the delay to requests still loading.
+    # (terms/coschedule.py); the rest is the delay to requests still loading.
     t_coschedule: float = 0.0
     # Decode time its new GPU blocks would wait for on a worker past its KV capacity
-    # (cost.memory_seconds); kv_cost adds MEMORY_WEIGHT x this to the score.
+    # (terms/memory.py); kv_cost adds MEMORY_WEIGHT x this to the score.
     t_memory: float = 0.0
+
+    @property
+    def load_blocks(self) -> int:
+        """The cut k: blocks 1..k are loaded (from the tiers of `load_blocks_by_tier`), the rest recomputed."""
+        return sum(self.load_blocks_by_tier.values())
+
+
+def by_score(e: Estimate) -> float:
+    """What kv_cost ranks an estimate by: its score, or t_ttft where none was computed."""
+    s = e.score
+    return e.t_ttft if s is None else s
 
 
 @dataclass(slots=True)
