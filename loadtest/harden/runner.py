@@ -192,7 +192,7 @@ class Ctx:
                    label: str = "", count: bool = True, **kw: Any) -> Outcome:
         """Send one request, judge it (outcome.classify) and count it in the table."""
         spec = spec or Spec()
-        timeout *= self.stretch  # a request's deadline, on this machine now
+        timeout *= self.stretch  # a request's deadline, on the machine running the suite, now
         if spec.tenant_facing:
             spec.secrets = tuple(sorted(set(spec.secrets) | self.secrets))
         host, port = _host_port(base)
