@@ -24,7 +24,7 @@ served (background work such as load polls and health checks included); TTFT p50
 chunk, which it sends before prefill, is not a token) and errors (non-200, an error
 event, a stream without `[DONE]`, a connection failure). Rounds are interleaved
 (direct, then every router; the next round in reverse router order) and each figure
-is the median over rounds. Method and results: docs/performance.md. The load generator is
+is the median over rounds. Method and results: bench/notes/performance.md. The load generator is
 a separate process (aiohttp on uvloop, keep-alive); it reports the rate it actually
 offered and how late its sends were, and a round in which it fell behind is flagged.
 
