@@ -1,4 +1,4 @@
-"""Packaging, checked without a Docker engine or a cluster (README, "Deploy").
+"""Packaging, checked without a Docker engine or a cluster (docs/operations.md, "Deploy").
 
 - docker-compose.yml validates with Debian's `docker-compose config` (profile `sim` too); every
   build context, Dockerfile, file a Dockerfile copies and file the compose file mounts exists;
