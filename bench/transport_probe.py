@@ -1,4 +1,4 @@
-"""What this host's HTTP path does to request arrivals: the numbers behind the offline
+"""What the HTTP path of the host it runs on does to request arrivals: the numbers behind the offline
 simulator's `local-http` transport (loadtest/router_model.py TRANSPORTS).
 
     .venv/bin/python bench/transport_probe.py [--trace FILE] [--limit 300] [--workers 4]
