@@ -862,7 +862,7 @@ def _free_pair(taken: set[int] | None = None) -> int:
 
 
 def _local(command: list[str], tmp: Path, redis_port: int, taken: set[int]) -> tuple[list[str], int, int]:
-    """A compose worker's command for this machine: loopback, free ports (none in `taken`), the
+    """A compose worker's command for the local machine: loopback, free ports (none in `taken`), the
     test's folders (the weights' cache shared) and Redis."""
     from loadtest.ports import free_port
 
