@@ -143,7 +143,11 @@ def test_sweep_and_load_search(slice_: object) -> None:
     assert speed is None or probes[-1].ratio >= 1.5
 
 
-def test_cli_simulate_report_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_simulate_report_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the calls without --out write there
     out = tmp_path / "sim"
     rc = main(["simulate", "--trace", MOONCAKE, "--limit", "30", "--workers", "2", "--block-size", "64",
                "--policies", "round_robin,kv_cost", "--out", str(out), "--no-plots",
