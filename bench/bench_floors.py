@@ -12,7 +12,7 @@ comparisons, each in interleaved rounds:
    once as a raw asyncio protocol (httptools) and once as an ASGI app under uvicorn (its
    defaults here: uvloop, httptools). The difference is uvicorn's per-request cost.
 
-Results and what they mean: docs/performance.md ("Floors and alternatives").
+Results and what they mean: bench/notes/performance.md ("Floors and alternatives").
 Everything listens on 127.0.0.1 and is stopped at exit.
 
     .venv/bin/python bench/bench_floors.py [--rounds 3] [--seconds 12]

@@ -1,6 +1,6 @@
 """Applying a worker's KV events to the index: stored, removed, cleared.
 
-Two ways in (docs/index.md): verified, the default, keys each `BlockStored` from its
+Two ways in (docs/prefix-index.md): verified, the default, keys each `BlockStored` from its
 tokens under the worker's namespace and maps the engine's hashes to our digests;
 trusted, for our own workers, applies their published digests as they are and
 recomputes a sample of chain roots to catch a misconfigured worker. Both follow one
@@ -254,7 +254,7 @@ class EventApplier:
         d = w.engine_hashes.parent_digest(parent)
         if d is None or not self._blocks.bitmap(d) & self._slots.live:
             return None
-        # None when only trusted workers stored it: they keep no full keys (docs/index.md)
+        # None when only trusted workers stored it: they keep no full keys (docs/prefix-index.md)
         return self._blocks.full_key(d)
 
     # ------------------------------------------------------------------ BlockRemoved

@@ -4,7 +4,7 @@ A block's 64-bit digest maps to a bitmap of its holders (`kvindex.blockmap`), fo
 bits per worker slot (`kvindex.slots`), so one lookup per block answers for every
 worker and a query only does bit arithmetic where the holders change. Events are
 applied by `kvindex.apply`. Not thread-safe, by design: one owner (the gateway's
-event loop) mutates and queries it, and no method awaits. docs/index.md explains
+event loop) mutates and queries it, and no method awaits. docs/prefix-index.md explains
 the layout, the verified and trusted ways in, sweeping and the concurrency model.
 """
 from __future__ import annotations
@@ -98,7 +98,7 @@ class PrefixIndex:
         `trusted_digests`: the worker keys blocks with `kvindex.keys` and publishes
         `digest64` of its keys as block hashes (our engines, kind "kvroute"), so they
         are applied as they are; 1 in `verify_every` of its chain-root events is
-        recomputed to catch a misconfigured worker (docs/index.md).
+        recomputed to catch a misconfigured worker (docs/prefix-index.md).
         Raises WorkerAlreadyRegistered, BadNamespace, BadVerifyEvery, BadBlockSize or
         IndexFull (kvindex/errors.py), each an IndexError_.
         """

@@ -33,7 +33,7 @@ class WorkerSlot:
     block_size: int  # the engine's, a multiple of the index's
     hasher: BlockHasher
     verify_every: int  # a trusted worker's chain roots: 1 in this many recomputed
-    trusted: bool = False  # block hashes are applied as our digests (docs/index.md)
+    trusted: bool = False  # block hashes are applied as our digests (docs/prefix-index.md)
     draining: bool = False
     until_verify: int = 0  # chain roots to let pass before the next verification
     engine_hashes: EngineHashes = field(default_factory=EngineHashes)

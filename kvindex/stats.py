@@ -17,7 +17,7 @@ class ApplyStats:
     `stored` / `removed` count engine blocks named by events; `ignored` counts
     events of other KV-cache groups (hybrid models: only group 0 is indexed).
     `digests_verified` counts a trusted worker's chain-root events recomputed from
-    their tokens, `digest_mismatches` those whose digests differed (docs/index.md).
+    their tokens, `digest_mismatches` those whose digests differed (docs/prefix-index.md).
     """
 
     stored: int = 0

@@ -60,7 +60,7 @@ class UpstreamStream:
         self.idle_timeout_s = idle_timeout_s  # between reads after it
         # Set before the last batch is yielded (the one that ended at [DONE]), so the
         # consumer can fold that batch, the usage chunk and [DONE] into one client
-        # write: on this machine each socket write is a large share of a request's CPU.
+        # write: on a small CPU host each socket write is a large share of a request's CPU.
         self.done = False
 
     async def batches(self) -> AsyncIterator[list[bytes]]:

@@ -1,4 +1,4 @@
-"""Real bugs that surviving mutants led to (docs/mutation.md), each now fixed and guarded
+"""Real bugs that surviving mutants led to (bench/notes/mutation.md), each now fixed and guarded
 by its test."""
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The gateway's rules that mutants of router/gateway.py, router/relay.py, router/pool.py
-and router/prepare.py showed unpinned (docs/mutation.md): where a retry goes and how it
+and router/prepare.py showed unpinned (bench/notes/mutation.md): where a retry goes and how it
 is priced and logged, what a failed or shed dispatch answers, the headers and format of
 an answer, readiness, the model table, and a config reload.
 

@@ -214,7 +214,7 @@ async def test_sigterm_stops_taking_work_gracefully_and_exits_clean(tmp_path: Pa
     base = f"http://127.0.0.1:{port}"
     async with serve_fake(slow):
         cfg = tmp_path / "gw.yaml"
-        grace = patience(1.0)  # long enough, on this machine now, to send a request inside it
+        grace = patience(1.0)  # long enough, on the machine running the test now, to send a request inside it
         _write_config(cfg, port, [slow], shutdown={"grace_s": grace, "drain_timeout_s": 10.0})
         async with gateway_process(cfg) as proc, aiohttp.ClientSession() as s:
             await _until_ready(s, base, proc)

@@ -2,7 +2,7 @@
 circuit breaker's inputs, draining in and out of the index, caps, the in-flight
 ledger's counts, context limits and what a vLLM worker's metrics turn into.
 
-Written against mutants that survived the gateway/pool tests (docs/mutation.md): each
+Written against mutants that survived the gateway/pool tests (bench/notes/mutation.md): each
 test pins one rule whose operator could be flipped without any other test noticing.
 """
 from __future__ import annotations
