@@ -2,8 +2,8 @@
 
 `Gateway` owns what a request touches (models with their tokenizers and indexes, the
 worker pool, the policy, the pooled HTTP session, metrics) and wires the steps that
-live in their own modules: router/prepare.py, router/prefetch.py, router/relay.py,
-router/admin.py. The ASGI plumbing is router/app.py.
+live in their own modules: router/intake/prepare.py, router/upstream/prefetch.py, router/upstream/relay.py,
+router/api/admin_view.py. The ASGI plumbing is router/api/app.py.
 
 Every request ends with a response or an explicit error: a worker failing before its
 first chunk is replaced by the next best (Decision.ranked, `routing.retries` times);
@@ -23,44 +23,45 @@ from urllib.parse import urlsplit
 import aiohttp
 from prometheus_client.core import Metric
 
-from . import admin, upstream
-from .admin_policy import LOOPBACK_HOSTS, network_policy
-from .attempt import Attempt, Out
+from .api import admin_view as admin
+from .api.admin_policy import LOOPBACK_HOSTS, network_policy
+from .api.errors import ApiError, rate_limited, unavailable, upstream_failed
 from .binding import Binder
-from .bodyrate import BodyRate
-from .budget import ByteBudget
 from .config import Config
-from .discovery import Discovery
-from .drain import InFlight
-from .errors import ApiError, rate_limited, unavailable, upstream_failed
-from .fidelity import KeyFidelity
-from .fleetconfig import WorkerConfig
-from .ingest_adapter import PoolIngest
-from .membership import Membership
-from .memtrim import MemoryTrim
-from .metrics import GatewayMetrics
-from .model import ModelRuntime, ModelTable
-from .netpolicy import PolicyResolver
-from .observe import Observer, access
-from .passthrough import PassThrough
+from .fleet.discovery import Discovery
+from .fleet.drain import InFlight
+from .fleet.fleetconfig import WorkerConfig
+from .fleet.ingest_adapter import PoolIngest
+from .fleet.membership import Membership
+from .fleet.netpolicy import PolicyResolver
+from .fleet.pool import WorkerPool
+from .fleet.replica_sync import ReplicaSync
+from .fleet.worker import State, Worker
+from .intake.bodyrate import BodyRate
+from .intake.budget import ByteBudget
+from .intake.memtrim import MemoryTrim
+from .intake.model import ModelRuntime, ModelTable
+from .intake.prepare import Prepared, Preparer
+from .intake.tenancy import Tenancy, Tenant
+from .intake.tokenize import Tokenization, Tokenizer
 from .planner.explain import explain as explain_decision
 from .planner.fleet import revision_knobs, whole_engine_blocks
 from .planner.gateway_queue import prefill_size
 from .planner.load import queue_seconds
 from .planner.registry import make_policy, policy_params
 from .planner.types import Decision, Estimate, RouteRequest
-from .pool import WorkerPool
-from .prefetch import Prefetch, Prefetcher, prefetch_rule
-from .prepare import Prepared, Preparer
-from .proxy import UpstreamError
-from .recorder import TraceRecorder
-from .redact import worker_message
-from .relay import Relay
-from .replica_sync import ReplicaSync
-from .tenancy import Tenancy, Tenant
-from .tokenize import Tokenization, Tokenizer
-from .tracing import RequestTracer
-from .worker import State, Worker
+from .telemetry.fidelity import KeyFidelity
+from .telemetry.metrics import GatewayMetrics
+from .telemetry.observe import Observer, access
+from .telemetry.recorder import TraceRecorder
+from .telemetry.tracing import RequestTracer
+from .upstream import http1 as upstream
+from .upstream.attempt import Attempt, Out
+from .upstream.passthrough import PassThrough
+from .upstream.prefetch import Prefetch, Prefetcher, prefetch_rule
+from .upstream.proxy import UpstreamError
+from .upstream.redact import worker_message
+from .upstream.relay import Relay
 
 log = logging.getLogger("kvroute.gateway")
 
@@ -98,7 +99,7 @@ class Gateway:
         self.binder = Binder(cfg.routing.gateway_queue, self._predicted_queues, self.metrics)
         self.membership: Membership | None = None
         self.discovery: Discovery | None = None
-        self.inflight = InFlight()  # the requests the end of a drain must end (router/drain.py)
+        self.inflight = InFlight()  # the requests the end of a drain must end (router/fleet/drain.py)
         self.stopping = False  # SIGTERM: not ready, finishing what is in flight
         self.started = False
         # `kvroute serve --processes N`: admin changes shared with the other processes
@@ -463,7 +464,7 @@ class Gateway:
 
 
 def _worker_said(e: UpstreamError, w: Worker | None) -> str | None:
-    """A failed worker's own 5xx message, fit for the client (router/redact.py)."""
+    """A failed worker's own 5xx message, fit for the client (router/upstream/redact.py)."""
     if e.said is None or w is None:
         return None
     host = urlsplit(w.url).hostname or ""

@@ -1,4 +1,4 @@
-"""Serving the gateway with uvicorn (uvloop + httptools, heads bounded by router/edge.py), in a process or
+"""Serving the gateway with uvicorn (uvloop + httptools, heads bounded by router/api/edge.py), in a process or
 inside a test's loop."""
 from __future__ import annotations
 
@@ -18,13 +18,13 @@ from types import FrameType
 
 import uvicorn
 
-from .api_admin import apply_change
-from .app import GatewayAPI
+from .api.admin import apply_change
+from .api.app import GatewayAPI
+from .api.edge import HeadLimits, protocol_class
 from .config import Config, ConfigError, load_config
-from .edge import HeadLimits, protocol_class
+from .fleet.replica_sync import ReplicaSync
 from .gateway import Gateway
-from .logs import setup_logging
-from .replica_sync import ReplicaSync
+from .telemetry.logs import setup_logging
 
 log = logging.getLogger("kvroute.server")
 
@@ -45,7 +45,7 @@ def uvicorn_config(app: GatewayAPI, cfg: Config, sock_port: int | None = None) -
 
 
 def head_limits(cfg: Config) -> HeadLimits:
-    """What a connection may send before it is a request (router/edge.py), from `listen`."""
+    """What a connection may send before it is a request (router/api/edge.py), from `listen`."""
     li = cfg.listen
     return HeadLimits(li.max_request_line_bytes, li.max_header_count, li.max_header_bytes, li.header_timeout_s,
                       li.idle_timeout_s)
@@ -59,7 +59,7 @@ def serve(cfg: Config, config_path: str | Path | None = None, reuse_port: bool =
     `overrides`: the command line's changes to a config read from the file (`cfg` has them
     already), applied again to every re-read one.
     `sync`: (folder, this process's index, processes) under `--processes`: admin changes
-    shared with the others (router/replica_sync.py)."""
+    shared with the others (router/fleet/replica_sync.py)."""
     gw = Gateway(cfg)
     if sync is not None:
         gw.replicas = ReplicaSync(sync[0], sync[1], sync[2], functools.partial(apply_change, gw))
@@ -116,7 +116,7 @@ class ReadBeforeClose(uvicorn.Server):
 
 class DrainingServer(ReadBeforeClose):
     """A shutdown whose drain ends the gateway's way: when `drain_s` has passed, every
-    request still in flight ends its own response (router/drain.py: an SSE error event
+    request still in flight ends its own response (router/fleet/drain.py: an SSE error event
     and a terminated body, or a 503), and the server waits for them. uvicorn's own end
     of a drain — cancelling the handlers, which cuts their streams and logs a traceback
     each — is kept only as a backstop, `END_S` later."""

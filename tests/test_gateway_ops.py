@@ -31,9 +31,9 @@ from test_gateway_fakes import FakeWorker, serve_fake
 
 from loadtest.ports import free_port
 from router.config import DiscoveryConfig
-from router.discovery import Discovery, LookupFailed, resolve, worker_for
-from router.fleetconfig import WorkerConfig
-from router.logs import JsonFormatter, client_request_id
+from router.fleet.discovery import Discovery, LookupFailed, resolve, worker_for
+from router.fleet.fleetconfig import WorkerConfig
+from router.telemetry.logs import JsonFormatter, client_request_id
 
 ROOT = Path(__file__).resolve().parent.parent
 DIGEST_MODEL = MODEL
@@ -506,7 +506,7 @@ async def test_each_request_is_a_span_when_tracing_is_on() -> None:
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
     from test_gateway_errors import DIGEST
 
-    from router.tracing import RequestTracer
+    from router.telemetry.tracing import RequestTracer
 
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
@@ -535,7 +535,7 @@ async def test_each_request_is_a_span_when_tracing_is_on() -> None:
 
 def test_tracing_off_or_without_the_sdk_costs_nothing() -> None:
     from router.config import OtelConfig
-    from router.tracing import RequestTracer
+    from router.telemetry.tracing import RequestTracer
 
     assert RequestTracer.build(OtelConfig()) is None
     import builtins

@@ -11,8 +11,9 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_router_never_imports_torch_or_workers() -> None:
     code = """
 import sys
-import kvroute.cli, router.app, router.gateway, router.pool, router.proxy, router.server, router.tokenize
-import router.recorder, router.tenancy, router.ingest_adapter, router.config, router.metrics
+import kvroute.cli, router.api.app, router.gateway, router.fleet.pool, router.upstream.proxy, router.server
+import router.intake.tokenize, router.telemetry.recorder, router.intake.tenancy, router.fleet.ingest_adapter
+import router.config, router.telemetry.metrics
 from router.config import load_config
 from router.gateway import Gateway
 gw = Gateway(load_config('configs/default.yaml', environ={}))

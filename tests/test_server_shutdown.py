@@ -114,8 +114,8 @@ async def test_streams_alive_when_the_drain_ends_close_with_an_error_event(
     from test_gateway_errors import DIGEST, MODEL, _cfg
     from test_gateway_fakes import FakeWorker, serve_fake
 
-    from router.app import GatewayAPI
-    from router.fleetconfig import WorkerConfig
+    from router.api.app import GatewayAPI
+    from router.fleet.fleetconfig import WorkerConfig
     from router.gateway import Gateway
     from router.server import GatewayServer
 
