@@ -42,8 +42,8 @@ async def test_idle_connections_expire_before_a_workers_server_closes_them() -> 
     connections sooner (both of its clients)."""
     from test_gateway_errors import _cfg
 
-    from router.upstream import http1 as upstream
     from router.server import running_gateway
+    from router.upstream import http1 as upstream
 
     async with running_gateway(_cfg(), ready_timeout=None) as (gw, _url):
         conn = gw.session.connector

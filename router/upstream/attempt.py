@@ -2,6 +2,7 @@
 (token ids to our workers, pass-through to vLLM) and the observer share them."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -12,6 +13,8 @@ from .prefetch import Prefetch
 
 SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 JSON_HEADERS = [(b"content-type", b"application/json")]
+# One choice (text, finish reason) as the client's chunk (responses.ChunkFrame.render)
+Render = Callable[[str, "str | None"], bytes]
 
 
 class Out(Protocol):

@@ -18,14 +18,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ..api.errors import ApiError
 from ..api.responses import SSE_DONE, STREAM_FAILED, sse_error
 from ..fleet.worker import Worker
-from .attempt import Attempt, Out, Result
+from .attempt import Attempt, Out, Render, Result
 from .http1 import Conn, UpstreamPool
 from .proxy import UpstreamError
 
 if TYPE_CHECKING:
     from ..intake.prepare import Prepared
     from ..telemetry.observe import Observer
-    from .relay import Render
 
 log = logging.getLogger("kvroute.exchange")
 

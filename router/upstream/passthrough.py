@@ -22,14 +22,13 @@ from ..config import PoolConfig
 from ..fleet.pool import WorkerPool
 from ..fleet.worker import Worker
 from ..telemetry.observe import Observer
-from .attempt import JSON_HEADERS, SSE_HEADERS, Attempt, Out, Result
+from .attempt import JSON_HEADERS, SSE_HEADERS, Attempt, Out, Render, Result
 from .exchange import ClientStream, Exchange, fail_mid_stream, open_exchange
 from .http1 import UpstreamPool, request_head
 from .proxy import UpstreamError, post, read_within, status_error
 
 if TYPE_CHECKING:
     from ..intake.prepare import Prepared
-    from .relay import Render
 
 _enc = msgspec.json.Encoder()
 _MAX_EVENT = 8 << 20

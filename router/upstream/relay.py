@@ -9,7 +9,7 @@ instead (router/upstream/passthrough.py); both hand their result to router/telem
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any, NoReturn
 
 import aiohttp
@@ -32,13 +32,12 @@ from ..fleet.pool import WorkerPool
 from ..fleet.worker import Worker
 from ..intake.prepare import Prepared
 from ..telemetry.observe import Observer
-from .attempt import JSON_HEADERS, SSE_HEADERS, Attempt, Out, Result
+from .attempt import JSON_HEADERS, SSE_HEADERS, Attempt, Out, Render, Result
 from .exchange import ClientStream, Exchange, fail_mid_stream, open_exchange
 from .http1 import UpstreamPool, request_head
 from .proxy import JSON_SSE, UpstreamError, UpstreamStream, open_stream, sse_payloads, status_error
 
 _enc = msgspec.json.Encoder()
-Render = Callable[[str, "str | None"], bytes]
 
 
 class Relay:
