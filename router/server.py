@@ -15,8 +15,10 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import uvicorn
+import uvloop
 
 from .api.admin import apply_change
 from .api.app import GatewayAPI
@@ -60,27 +62,44 @@ def serve(cfg: Config, config_path: str | Path | None = None, reuse_port: bool =
     already), applied again to every re-read one.
     `sync`: (folder, this process's index, processes) under `--processes`: admin changes
     shared with the others (router/fleet/replica_sync.py)."""
-    gw = Gateway(cfg)
-    if sync is not None:
-        gw.replicas = ReplicaSync(sync[0], sync[1], sync[2], functools.partial(apply_change, gw))
-    ucfg = uvicorn_config(GatewayAPI(gw), cfg)
-    setup_logging(cfg.observability.log_level, cfg.observability.log_format,  # after uvicorn set up its own
-                  cfg.observability.access_log)
-    server = GatewayServer(ucfg, gw, cfg.shutdown.grace_s, Path(config_path) if config_path else None, overrides)
-    sockets = [listen_socket(cfg.listen.host, cfg.listen.port, reuse_port)] if reuse_port else None
-    hup = signal.signal(signal.SIGHUP, server.handle_hup) if config_path else None
-    # What startup built (modules, tokenizers, the config) lives as long as the process:
-    # kept out of the cycle collector's full passes, which would walk it every time.
-    gc.collect()
-    gc.freeze()
+    obs = cfg.observability
+    setup_logging(obs.log_level, obs.log_format, obs.access_log)  # for the gateway's start
+    hup: Any = None
+    replicas = None if sync is None else \
+        (lambda gw: ReplicaSync(sync[0], sync[1], sync[2], functools.partial(apply_change, gw)))
+
+    async def run() -> bool:
+        nonlocal hup
+        try:
+            gw = await Gateway.create(cfg, replicas)
+        except Exception:
+            log.exception("the gateway failed to start")
+            return False
+        ucfg = uvicorn_config(GatewayAPI(gw), cfg)
+        setup_logging(obs.log_level, obs.log_format, obs.access_log)  # after uvicorn set up its own
+        server = GatewayServer(ucfg, gw, cfg.shutdown.grace_s, Path(config_path) if config_path else None, overrides)
+        sockets = [listen_socket(cfg.listen.host, cfg.listen.port, reuse_port)] if reuse_port else None
+        hup = signal.signal(signal.SIGHUP, server.handle_hup) if config_path else None
+        # What startup built (modules, tokenizers, the config, the pool) lives as long as
+        # the process: kept out of the cycle collector's full passes, which would walk it
+        # every time.
+        gc.collect()
+        gc.freeze()
+        try:
+            await server.serve(sockets=sockets)
+        finally:
+            await gw.close()  # done by the app's lifespan unless the server never started
+        return server.started
+
     try:
-        server.run(sockets=sockets)
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:  # uvicorn_config's loop
+            started = runner.run(run())
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
-        pass
+        started = True
     finally:
         if hup is not None:
             signal.signal(signal.SIGHUP, hup)
-    return 0 if server.started else 1
+    return 0 if started else 1
 
 
 def listen_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
@@ -210,8 +229,7 @@ async def running_gateway(cfg: Config, *, ready_timeout: float | None = None) ->
     Used by tests and benchmarks: the socket is bound here (port 0) so parallel tests never
     collide, and everything is shut down on exit.
     """
-    gw = Gateway(cfg)
-    await gw.start()
+    gw = await Gateway.create(cfg)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     # Accepted connections inherit it; without it the default asyncio loop stalls ~40 ms
@@ -230,7 +248,6 @@ async def running_gateway(cfg: Config, *, ready_timeout: float | None = None) ->
                 task.result()
             await asyncio.sleep(0.01)
         if ready_timeout is not None:
-            assert gw.pool is not None
             await gw.pool.wait_ready(ready_timeout)
         yield gw, f"http://127.0.0.1:{port}"
     finally:

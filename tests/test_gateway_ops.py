@@ -110,11 +110,15 @@ async def test_a_refused_request_is_logged_with_its_status(request_lines: Any) -
     assert lines and lines[-1]["msg"] in ("request refused", "request failed")
 
 
-def test_the_request_log_can_be_switched_off() -> None:
+async def test_the_request_log_can_be_switched_off() -> None:
     from router.gateway import Gateway
 
-    assert Gateway(_cfg(observability={"request_log": False})).observer.request_log is False
-    assert Gateway(_cfg()).observer.request_log is True
+    for over, logged in (({"observability": {"request_log": False}}, False), ({}, True)):
+        gw = await Gateway.create(_cfg(**over))
+        try:
+            assert gw.observer.request_log is logged
+        finally:
+            await gw.close()
 
 
 # ---------------------------------------------------------------------- a real `kvroute serve` process
@@ -557,7 +561,7 @@ def test_tracing_off_or_without_the_sdk_costs_nothing() -> None:
 # ---------------------------------------------------------------------- replicas
 
 
-def test_a_replica_counts_its_unseen_dispatches_for_the_others() -> None:
+async def test_a_replica_counts_its_unseen_dispatches_for_the_others() -> None:
     from router.gateway import Gateway
     from router.planner.inflight import InflightLedger
     from router.planner.types import CostParams, WorkerView
@@ -573,4 +577,8 @@ def test_a_replica_counts_its_unseen_dispatches_for_the_others() -> None:
     led.report_taken(sent_at=0.2)  # the report knows `t`: only the other is unseen now
     led.fill(v, 0.3)
     assert v.inflight_since_report_requests == 2 and v.inflight_since_report_prefill_tokens == 200
-    assert Gateway(_cfg(routing={"policy": "kv_cost", "replicas": 3})).cfg.routing.replicas == 3
+    gw = await Gateway.create(_cfg(routing={"policy": "kv_cost", "replicas": 3}))
+    try:
+        assert gw.cfg.routing.replicas == 3
+    finally:
+        await gw.close()

@@ -16,7 +16,12 @@ import router.intake.tokenize, router.telemetry.recorder, router.intake.tenancy,
 import router.config, router.telemetry.metrics
 from router.config import load_config
 from router.gateway import Gateway
-gw = Gateway(load_config('configs/default.yaml', environ={}))
+import asyncio
+async def built():
+    gw = await Gateway.create(load_config('configs/default.yaml', environ={}))
+    await gw.close()
+    return gw
+gw = asyncio.run(built())
 rt = next(iter(gw.models.by_id.values()))
 ids = rt.tokenizer.encode_text(rt.tokenizer.render_chat([{'role': 'user', 'content': 'hello'}]), False)
 rt.key_plan(ids, '', None)

@@ -23,7 +23,6 @@ from .errors import ApiError, bad_request, not_found
 
 
 def workers(gw: Gateway) -> dict[str, Any]:
-    assert gw.pool is not None
     return {"workers": [_summary(gw, w) for w in gw.pool.workers.values()]}
 
 
@@ -40,7 +39,6 @@ async def add_worker(gw: Gateway, body: bytes) -> dict[str, Any]:
     except ValidationError as e:
         raise bad_request(f"Invalid worker: {format_validation_error(e)}") from None
     await check_new_worker(wc, gw.cfg.admin, gw.cfg.admin_token is not None)
-    assert gw.pool is not None
     if wc.model is None:
         if len(gw.models.by_id) != 1:
             raise bad_request("`model` is required when several models are served.", "model")
@@ -55,7 +53,6 @@ async def add_worker(gw: Gateway, body: bytes) -> dict[str, Any]:
 
 
 async def remove_worker(gw: Gateway, worker_id: str) -> dict[str, Any]:
-    assert gw.pool is not None
     try:
         w = await gw.pool.remove(worker_id)
     except KeyError:
@@ -65,7 +62,6 @@ async def remove_worker(gw: Gateway, worker_id: str) -> dict[str, Any]:
 
 
 def drain_worker(gw: Gateway, worker_id: str, draining: bool) -> dict[str, Any]:
-    assert gw.pool is not None
     try:
         return _summary(gw, gw.pool.drain(worker_id, draining))
     except KeyError:

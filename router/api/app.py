@@ -67,9 +67,7 @@ class GatewayAPI(FastAPI):
     def __init__(self, gw: Gateway, *, manage_lifespan: bool = True, fast_path: bool = True) -> None:
         @asynccontextmanager
         async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-            if manage_lifespan and not gw.started:
-                await gw.start()
-            yield
+            yield  # the gateway came started (Gateway.create); it closes with the app
             if manage_lifespan:
                 await gw.close()
 

@@ -85,7 +85,6 @@ class EmbeddingsRoute(CompletionRoute):
     async def _forward(self, rt: ModelRuntime, raw: dict[str, Any], rid: str, out: AsgiOut) -> int:
         """The least busy workers first, failing over until one answers."""
         gw = self.gw
-        assert gw.pool is not None
         workers = gw.candidates(rt)
         self._rng.shuffle(workers)
         workers.sort(key=lambda w: len(w.inflight))
@@ -105,7 +104,6 @@ class EmbeddingsRoute(CompletionRoute):
 
     async def _attempt(self, w: Worker, rt: ModelRuntime, raw: dict[str, Any], rid: str, out: AsgiOut) -> int:
         gw = self.gw
-        assert gw.pool is not None and gw.session is not None
         t = gw.cfg.pool
         payload = _enc.encode({**raw, "model": w.served_model or rt.id})
         rec = gw.pool.dispatched(w, max(1, len(payload) // 4), 0)  # ~4 bytes a token: its prefill work
@@ -128,7 +126,6 @@ class EmbeddingsRoute(CompletionRoute):
     async def _relay(self, resp: aiohttp.ClientResponse, w: Worker, rid: str, out: AsgiOut, rec: Inflight) -> int:
         """Read the whole answer (bounded, in the budget while held), check it, then send it."""
         gw = self.gw
-        assert gw.pool is not None
         limit = gw.cfg.limits.max_embeddings_answer_bytes
         if resp.content_length is not None and resp.content_length > limit:
             raise _too_large(limit)
