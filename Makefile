@@ -111,8 +111,8 @@ MUT_tests_kvindex       = $(wildcard tests/test_index*.py tests/test_ingest.py t
 MUT_only_kvwire        := kvwire/*
 MUT_tests_kvwire        = $(wildcard tests/test_planner_fleet.py tests/test_worker_openapi.py tests/test_router_units.py \
                             tests/test_gateway_api.py tests/test_gateway_hardening.py)
-MUT_only_gateway_pool  := router/gateway*.py router/pool*.py router/prepare.py router/keyplan.py \
-                          router/prefetch.py router/attempt.py router/relay.py
+MUT_only_gateway_pool  := router/gateway*.py router/fleet/pool*.py router/intake/prepare.py router/intake/keyplan.py \
+                          router/upstream/prefetch.py router/upstream/attempt.py router/upstream/relay.py
 MUT_tests_gateway_pool  = $(filter-out tests/test_gateway_sim.py,$(wildcard tests/test_gateway_*.py tests/test_pool_*.py \
                             tests/test_router_units.py))
 # Left out: tests/test_gateway_sim.py (a simulated cluster in a child process, whose timing on a

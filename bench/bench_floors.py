@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import bench_router_cpu as rc  # noqa: E402
 
 from loadtest.ports import free_port  # noqa: E402
-from router.asgi import read_body  # noqa: E402
+from router.api.asgi import read_body  # noqa: E402
 
 _CHUNK = (b'data: {"id":"x","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
           b'"delta":{"content":"tok "},"finish_reason":null}]}\n\n')

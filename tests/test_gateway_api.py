@@ -19,7 +19,7 @@ from test_gateway_errors import DIGEST, MODEL, _cfg, client, fleet, wait_until
 from test_gateway_fakes import FakeWorker, serve_fake
 
 from router.config import Config
-from router.fleetconfig import WorkerConfig
+from router.fleet.fleetconfig import WorkerConfig
 from router.server import running_gateway
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say something about caches."}]
@@ -104,7 +104,7 @@ async def test_models_tokenize_detokenize() -> None:
 
 async def test_fast_path_and_framework_path_answer_the_same() -> None:
     """The completion routes answer identically through the fast path and through FastAPI."""
-    from router.app import GatewayAPI
+    from router.api.app import GatewayAPI
 
     a = FakeWorker("a", DIGEST)
     async with fleet([a]) as (gw, url):

@@ -284,7 +284,7 @@ def _whole(chat: bool, n: int, usage: dict[str, Any]) -> dict[str, Any]:
 @functools.cache
 def _tokenizer() -> Any:
     """The bundled tokenizer, as a vLLM on the bundled model folder uses it."""
-    from router.tokenize import Tokenizer
+    from router.intake.tokenize import Tokenizer
 
     return Tokenizer(Path(__file__).resolve().parent.parent / "configs/assets/tiny-tokenizer")
 

@@ -20,8 +20,8 @@ from test_gateway_fakes import FakeWorker, serve_fake
 from kvindex.events import BlockStored
 from kvindex.keys import digest64
 from kvwire import BlockCounts
-from router.fleetconfig import EventsConfig, WorkerConfig
-from router.vllm_load import VllmLoad, parse_vllm_metrics, vllm_report
+from router.fleet.fleetconfig import EventsConfig, WorkerConfig
+from router.fleet.vllm_load import VllmLoad, parse_vllm_metrics, vllm_report
 
 B = 16
 
