@@ -173,7 +173,7 @@ def test_validation_messages_name_params() -> None:
 
 
 @pytest.mark.parametrize("field,value", [
-    ("response_format", {"type": "json_object"}), ("logit_bias", {"5": 10}), ("min_tokens", 3), ("top_k", 40),
+    ("response_format", {"type": "json_object"}), ("logit_bias", {"5": 10}), ("top_k", 40),
     ("repetition_penalty", 1.2), ("n", 2), ("logprobs", True), ("tools", [{"type": "function"}]),
     ("guided_json", {"type": "object"}), ("lora", "a"), ("priority", 1), ("presence_penalty", 0.5),
 ])

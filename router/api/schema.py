@@ -55,6 +55,7 @@ class _Common(msgspec.Struct, forbid_unknown_fields=False, kw_only=True):
     # vLLM's extensions, understood by our workers (docs/wire.md)
     cache_salt: str | None = None
     ignore_eos: bool | None = None
+    min_tokens: int | None = None  # no end (EOS, stop string) before this many tokens
 
 
 class ChatRequest(_Common, kw_only=True):
@@ -122,7 +123,13 @@ def _check_common(r: _Common) -> None:
         raise bad_request("`stream_options` is only allowed when `stream` is true.", "stream_options")
     if r.cache_salt is not None and not (0 < len(r.cache_salt) <= 256):
         raise bad_request("`cache_salt` must be 1 to 256 characters.", "cache_salt")
-    requested_max_tokens(r)
+    mt = requested_max_tokens(r)
+    if r.min_tokens is not None:
+        if r.min_tokens < 0:
+            raise bad_request("`min_tokens` must be at least 0.", "min_tokens")
+        if mt is not None and r.min_tokens > mt:
+            raise bad_request(f"`min_tokens` ({r.min_tokens}) must be at most the maximum length asked ({mt}).",
+                              "min_tokens")
 
 
 def ours_problem(raw: dict[str, Any], r: ChatRequest | CompletionRequest, max_stop: int) -> ApiError | None:

@@ -37,7 +37,7 @@ from .tokenize import Tokenization, TokenizerError
 
 # Sampling fields our workers implement, sent to them as given (kvwire/openai.py lists
 # every field they implement; a request using any other goes to vLLM workers only).
-SAMPLING_FIELDS = ("temperature", "top_p", "seed", "stop", "ignore_eos")
+SAMPLING_FIELDS = ("temperature", "top_p", "seed", "stop", "ignore_eos", "min_tokens")
 
 
 @dataclass(slots=True)
@@ -194,14 +194,14 @@ class Preparer:
         if n == 0:
             raise bad_request("The prompt is empty after tokenization.", "prompt")
         self._refuse_tokens(chat, model, n)
-        mt = requested_max_tokens(req)
-        if mt is None:
-            return min(lim.default_max_tokens, ctx - n)
+        asked = requested_max_tokens(req)
+        # without a max, the gateway's default length, never below the client's minimum
+        mt = asked if asked is not None else max(min(lim.default_max_tokens, ctx - n), req.min_tokens or 0)
         if n + mt > ctx:
             raise bad_request(
                 f"This model's maximum context length is {ctx} tokens. However, you requested {n + mt} tokens "
                 f"({n} in the prompt, {mt} for the completion). Please reduce the prompt or the completion length.",
-                "max_tokens",
+                "max_tokens" if asked is not None else "min_tokens",
                 "context_length_exceeded",
             )
         return mt
