@@ -63,6 +63,9 @@ class FakeWorker:
     probe_overhead_s: float = 0.0
     probe_status: int = 200
     events: dict[str, Any] | None = None  # what /info advertises as its KV-event endpoints
+    api_key: str | None = None  # like `vllm --api-key`, but on every path: 401 without `Bearer <key>`
+    authorized_paths: list[str] = field(default_factory=list)  # paths of the requests that carried the key
+    unauthorized: list[str] = field(default_factory=list)  # paths refused for want of it
     port: int = 0
 
     @property
@@ -118,6 +121,14 @@ class FakeWorker:
             await send({"type": "http.response.start", "status": status,
                         "headers": [(b"content-type", b"application/json")]})
             await send({"type": "http.response.body", "body": _enc.encode(obj)})
+
+        if self.api_key is not None:
+            auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            if auth != f"Bearer {self.api_key}":
+                self.unauthorized.append(path)
+                await reply(401, {"error": "Unauthorized"})
+                return
+            self.authorized_paths.append(path)
 
         if path == "/health":
             await reply(self.health_status, {"status": self.health_state})

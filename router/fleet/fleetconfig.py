@@ -11,6 +11,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from .credentials import AuthConfig
+
 TIER_NAMES = ("CPU", "DISK", "REMOTE", "PEER")
 
 
@@ -127,6 +129,7 @@ class WorkerConfig(Strict):
     remote_group: str | None = None
     max_inflight: int | None = Field(default=None, gt=0)
     cost: CostConfig | None = None
+    auth: AuthConfig | None = None  # an API key / headers for every call (router/fleet/credentials.py)
 
     @field_validator("url")
     @classmethod

@@ -420,7 +420,7 @@ class WorkerPool:
         if w.kind != "kvroute" or w.events is None or self.ingest is None:
             return None
         try:
-            async with self.session.post(w.url + "/kv/republish", timeout=self.probe.timeout) as r:
+            async with self.session.post(w.url + "/kv/republish", headers=w.headers(), timeout=self.probe.timeout) as r:
                 body = await r.read()
                 if r.status != 200:
                     log.info("worker %s cannot republish its blocks (HTTP %d): its index fills as it works",

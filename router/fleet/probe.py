@@ -37,7 +37,7 @@ class Probe:
         if self.upstream is not None and w.fast_key is not None:
             return await self._fetch_lean(w, w.fast_key, path)
         try:
-            async with self.session.get(w.url + path, timeout=self.timeout) as r:
+            async with self.session.get(w.url + path, headers=w.headers(), timeout=self.timeout) as r:
                 body = await r.read()
                 if r.status != 200:
                     w.last_error = f"GET {path}: HTTP {r.status}"
@@ -54,7 +54,7 @@ class Probe:
     async def _fetch_lean(self, w: Worker, key: tuple[str, int], path: str) -> bytes | None:
         assert self.upstream is not None
         try:
-            status, body = await upstream.get(self.upstream, key, path, self.timeout_s)
+            status, body = await upstream.get(self.upstream, key, path, self.timeout_s, w.auth_head)
         except ConnectionRefusedError as e:
             w.last_refused = True
             w.last_error = f"GET {path}: {type(e).__name__}: {e}"

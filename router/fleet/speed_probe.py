@@ -60,7 +60,8 @@ async def probe_speeds(session: aiohttp.ClientSession, w: Worker, vocab_size: in
         busy = len(w.fleet.ledger.live)
         t0 = time.monotonic()
         try:
-            usage = await _post(session, w.url + "/v1/completions", probe_body(model, ids, w.kind), timeout_s)
+            usage = await _post(session, w.url + "/v1/completions", probe_body(model, ids, w.kind), timeout_s,
+                                w.headers(PROBE_HEADERS) or PROBE_HEADERS)
         except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as e:
             log.info("worker %s: speed probe stopped (%s: %s)", w.id, type(e).__name__, e)
             return given
@@ -79,10 +80,11 @@ async def probe_speeds(session: aiohttp.ClientSession, w: Worker, vocab_size: in
     return given
 
 
-async def _post(session: aiohttp.ClientSession, url: str, body: bytes, timeout_s: float) -> dict[str, Any]:
+async def _post(session: aiohttp.ClientSession, url: str, body: bytes, timeout_s: float,
+                headers: dict[str, str]) -> dict[str, Any]:
     """POST and return the answer's `usage` ({} when it has none); ValueError on a non-200."""
     timeout = aiohttp.ClientTimeout(total=timeout_s)
-    async with session.post(url, data=body, headers=PROBE_HEADERS, timeout=timeout) as r:
+    async with session.post(url, data=body, headers=headers, timeout=timeout) as r:
         data = await r.read()
         if r.status != 200:
             raise ValueError(f"HTTP {r.status}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -22,6 +23,7 @@ from ..planner.inflight import Ticket
 from ..planner.types import WorkerView
 from ..upstream.http1 import fast_url
 from .breaker import Breaker
+from .credentials import head_lines, resolve
 from .fleetconfig import EventsConfig, WorkerConfig
 
 
@@ -65,9 +67,20 @@ class Worker:
     completions_url: URL | None = None  # parsed once: aiohttp re-parses a str URL per request
     # (host, port) when router/upstream/http1.py's lean client can reach it (plain http), else None
     fast_key: tuple[str, int] | None = field(init=False)
+    # its credentials (router/fleet/credentials.py), for aiohttp and as the lean client's head lines
+    auth: dict[str, str] = field(init=False, repr=False)
+    auth_head: bytes = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.fast_key = fast_url(self.cfg.url)
+        self.auth = resolve(self.cfg.auth)
+        self.auth_head = head_lines(self.auth)
+
+    def headers(self, extra: Mapping[str, str] | None = None) -> dict[str, str] | None:
+        """Headers for an aiohttp call to it: `extra` plus its credentials (None: none)."""
+        if not self.auth:
+            return dict(extra) if extra else None
+        return {**extra, **self.auth} if extra else self.auth
 
     @property
     def id(self) -> str:
@@ -109,6 +122,7 @@ class Worker:
             "reason": self.reason,
             "block_size": self.block_size,
             "remote_group": self.remote_group,
+            "auth": self.cfg.auth.described() if self.cfg.auth is not None else None,
             "capabilities": sorted(self.capabilities),
             "inflight": len(self.inflight),
             "served": self.served,

@@ -256,9 +256,11 @@ class _Collect:
 MAX_GET_BODY = 64 << 20
 
 
-async def get(pool: UpstreamPool, key: tuple[str, int], path: str, timeout_s: float) -> tuple[int, bytes]:
-    """GET `path` on a keep-alive connection: (status, body). Raises OSError (refused:
-    ConnectionRefusedError), TimeoutError or ValueError (a malformed or oversized answer)."""
+async def get(pool: UpstreamPool, key: tuple[str, int], path: str, timeout_s: float,
+              extra: bytes = b"") -> tuple[int, bytes]:
+    """GET `path` on a keep-alive connection: (status, body); `extra`: more header lines.
+    Raises OSError (refused: ConnectionRefusedError), TimeoutError or ValueError (a
+    malformed or oversized answer)."""
     loop = asyncio.get_running_loop()
     fut: asyncio.Future[tuple[int, bytes]] = loop.create_future()
     c: Conn | None = None
@@ -266,8 +268,8 @@ async def get(pool: UpstreamPool, key: tuple[str, int], path: str, timeout_s: fl
     try:
         async with asyncio.timeout(timeout_s):
             c = await pool.get(key)
-            c.send(b"GET %s HTTP/1.1\r\nhost: %s:%d\r\n\r\n" % (path.encode(), h.encode("idna"), key[1]), b"",
-                   _Collect(fut))
+            c.send(b"GET %s HTTP/1.1\r\nhost: %s:%d\r\n%s\r\n" % (path.encode(), h.encode("idna"), key[1], extra),
+                   b"", _Collect(fut))
             status, body = await fut
     except BaseException:
         if c is not None:

@@ -81,7 +81,8 @@ class Prefetcher:
     async def _post(self, pf: Prefetch, payload: bytes) -> bool:
         try:
             async with self.session.post(
-                pf.worker.url + "/kv/prefetch", data=payload, headers={"content-type": "application/json"},
+                pf.worker.url + "/kv/prefetch", data=payload,
+                headers={"content-type": "application/json", **pf.worker.auth},
                 timeout=self.timeout,
             ) as r:
                 await r.read()
@@ -107,7 +108,8 @@ class Prefetcher:
         if not pf.accepted:
             return
         try:
-            async with self.session.delete(pf.worker.url + "/kv/prefetch/" + pf.pid, timeout=self.timeout) as r:
+            async with self.session.delete(pf.worker.url + "/kv/prefetch/" + pf.pid, headers=pf.worker.headers(),
+                                           timeout=self.timeout) as r:
                 await r.read()
         except (TimeoutError, aiohttp.ClientError, OSError):
             pass
