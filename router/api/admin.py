@@ -13,6 +13,7 @@ import msgspec
 from pydantic import ValidationError
 
 from ..config import format_validation_error
+from ..fleet.dp_ranks import expand_ranks
 from ..fleet.fleetconfig import WorkerConfig
 from ..fleet.replica_sync import AdminChange
 from ..gateway import Gateway
@@ -47,9 +48,15 @@ async def add_worker(gw: Gateway, body: bytes) -> dict[str, Any]:
     if rt is None:
         raise bad_request(f"Unknown model {wc.model!r}.", "model")
     wc.model = rt.id
-    if wc.id in gw.pool.workers:
-        raise ApiError(409, f"Worker {wc.id!r} already exists.", "invalid_request_error", "id", "conflict")
-    return _summary(gw, gw.pool.add(wc))
+    ranks = expand_ranks(wc)  # a data-parallel server: one worker per rank, all or none
+    for r in ranks:
+        if r.id in gw.pool.workers:
+            raise ApiError(409, f"Worker {r.id!r} already exists.", "invalid_request_error", "id", "conflict")
+    added = [gw.pool.add(r) for r in ranks]
+    out = _summary(gw, added[0])
+    if len(added) > 1:
+        out["ranks"] = [w.id for w in added]
+    return out
 
 
 async def remove_worker(gw: Gateway, worker_id: str) -> dict[str, Any]:

@@ -104,7 +104,7 @@ async def _purge_one(
         try:
             async with session.post(
                 w.url + "/kv/purge", data=_enc.encode({"cache_salt": s}),
-                headers={"content-type": "application/json", **w.auth}, timeout=timeout,
+                headers={"content-type": "application/json", **w.call_headers}, timeout=timeout,
             ) as r:
                 body = await r.read()
                 if r.status == 200:

@@ -110,7 +110,7 @@ class EmbeddingsRoute(CompletionRoute):
         timeout = aiohttp.ClientTimeout(total=t.request_timeout_s, connect=t.connect_timeout_s)
         try:
             resp = await post(gw.session, w.url + "/v1/embeddings", payload, w.id, timeout,
-                              {**_HEADERS, "x-request-id": rid, **w.auth}, relay_4xx=True,
+                              {**_HEADERS, "x-request-id": rid, **w.call_headers}, relay_4xx=True,
                               header_timeout_s=t.first_byte_s(None), slot=rec.ticket)
             rec.ticket.abort = resp.close  # the worker was declared dead: end the wait now
             gw.pool.accepted(rec)

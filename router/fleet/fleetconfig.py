@@ -130,6 +130,24 @@ class WorkerConfig(Strict):
     max_inflight: int | None = Field(default=None, gt=0)
     cost: CostConfig | None = None
     auth: AuthConfig | None = None  # an API key / headers for every call (router/fleet/credentials.py)
+    # a vLLM server's data-parallel ranks behind one URL: the gateway routes to each rank
+    # as a worker of its own, `<id>.dp<r>` (router/fleet/dp_ranks.py)
+    data_parallel_size: int = Field(default=1, ge=1, le=256)
+    data_parallel_rank: int | None = Field(default=None, ge=0)  # this entry is that one rank
+
+    @model_validator(mode="after")
+    def _ranks(self) -> WorkerConfig:
+        if self.data_parallel_rank is not None and self.data_parallel_rank >= self.data_parallel_size:
+            raise ValueError(f"data_parallel_rank {self.data_parallel_rank} is not below data_parallel_size "
+                             f"{self.data_parallel_size}")
+        if (self.data_parallel_size > 1 or self.data_parallel_rank is not None) and self.kind != "vllm":
+            raise ValueError("data-parallel ranks are for kind: vllm workers")
+        if self.data_parallel_size > 1 and self.data_parallel_rank is None and self.events is not None:
+            for ep in (self.events.endpoint, self.events.replay_endpoint):
+                if ep is not None and not re.match(r"^(tcp://.+:\d+|inproc://.+)$", ep):
+                    raise ValueError(f"events endpoint {ep!r}: each rank's is derived from a tcp://host:port or "
+                                     f"inproc:// one; give each rank its own entry with data_parallel_rank")
+        return self
 
     @field_validator("url")
     @classmethod

@@ -11,6 +11,7 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
+from .dp_ranks import expand_ranks
 from .fleetconfig import WorkerConfig
 from .pool import WorkerPool
 
@@ -42,12 +43,12 @@ class Membership:
         self._lock = asyncio.Lock()
 
     async def set_static(self, workers: list[WorkerConfig], why: str) -> Diff:
-        self.static = {w.id: w for w in workers}
+        self.static = {r.id: r for w in workers for r in expand_ranks(w)}
         return await self.reconcile(why)
 
     def set_discovered(self, workers: dict[str, WorkerConfig]) -> None:
         """The latest discovered set; the next `reconcile` applies it."""
-        self.discovered = dict(workers)
+        self.discovered = {r.id: r for w in workers.values() for r in expand_ranks(w)}
 
     async def reconcile(self, why: str) -> Diff:
         async with self._lock:

@@ -54,7 +54,7 @@ class Probe:
     async def _fetch_lean(self, w: Worker, key: tuple[str, int], path: str) -> bytes | None:
         assert self.upstream is not None
         try:
-            status, body = await upstream.get(self.upstream, key, path, self.timeout_s, w.auth_head)
+            status, body = await upstream.get(self.upstream, key, path, self.timeout_s, w.call_head)
         except ConnectionRefusedError as e:
             w.last_refused = True
             w.last_error = f"GET {path}: {type(e).__name__}: {e}"
@@ -117,7 +117,8 @@ class Probe:
         if body is None:
             return None
         try:
-            return vllm_report(parse_vllm_metrics(body.decode(errors="replace")))
+            rank = w.cfg.data_parallel_rank
+            return vllm_report(parse_vllm_metrics(body.decode(errors="replace"), None if rank is None else str(rank)))
         except ValueError as e:
             w.last_error = f"/metrics: {e}"
             return None

@@ -28,19 +28,28 @@ class VllmLoad:
     gpu_blocks: int | None = None  # KV blocks of all its engines, None when not exported
 
 
-def parse_vllm_metrics(text: str) -> VllmLoad:
-    """Raises ValueError when the text lacks the queue gauges.
+def parse_vllm_metrics(text: str, engine: str | None = None) -> VllmLoad:
+    """Raises ValueError when the text lacks the queue gauges. `engine`: only that
+    engine's samples (one data-parallel rank, label `engine`), where the server labels
+    them so; where it does not, the whole server's (the ranks share one figure).
 
     Reads only the samples it needs, found by name in the text: a vLLM server's
     `/metrics` is ~50 KB of histograms, and prometheus_client's full parse took 8.7 ms per
     poll against 73 us for this, on the recorded text tests/test_vllm_metrics.py checks it
     against (the full parser stays the reference there)."""
+    if engine is not None and not any(_label(lb, "engine") == engine for lb, _ in _samples(text, _WAITING)):
+        engine = None
+
+    def mine(labels: str) -> bool:
+        return engine is None or _label(labels, "engine") == engine
+
     sums: dict[str, float] = {}
     for name in (_WAITING, _RUNNING, *_USAGE):
-        for _labels, value in _samples(text, name):
-            sums[name] = sums.get(name, 0.0) + value
+        for labels, value in _samples(text, name):
+            if mine(labels):
+                sums[name] = sums.get(name, 0.0) + value
     blocks: int | None = None
-    for labels, _value in _samples(text, _CACHE_INFO):
+    for labels, _value in (s for s in _samples(text, _CACHE_INFO) if mine(s[0])):
         n = _label(labels, "num_gpu_blocks")
         if n.isdigit() and int(n) > 0:  # "None" before the engine has profiled memory
             blocks = (blocks or 0) + int(n)

@@ -24,6 +24,7 @@ from ..planner.types import WorkerView
 from ..upstream.http1 import fast_url
 from .breaker import Breaker
 from .credentials import head_lines, resolve
+from .dp_ranks import rank_headers
 from .fleetconfig import EventsConfig, WorkerConfig
 
 
@@ -67,20 +68,22 @@ class Worker:
     completions_url: URL | None = None  # parsed once: aiohttp re-parses a str URL per request
     # (host, port) when router/upstream/http1.py's lean client can reach it (plain http), else None
     fast_key: tuple[str, int] | None = field(init=False)
-    # its credentials (router/fleet/credentials.py), for aiohttp and as the lean client's head lines
-    auth: dict[str, str] = field(init=False, repr=False)
-    auth_head: bytes = field(init=False, repr=False)
+    # headers on every call to it: its credentials (router/fleet/credentials.py) and, for one
+    # data-parallel rank of a server, the rank (router/fleet/dp_ranks.py); for aiohttp, and
+    # as the lean client's head lines
+    call_headers: dict[str, str] = field(init=False, repr=False)
+    call_head: bytes = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.fast_key = fast_url(self.cfg.url)
-        self.auth = resolve(self.cfg.auth)
-        self.auth_head = head_lines(self.auth)
+        self.call_headers = resolve(self.cfg.auth) | rank_headers(self.cfg)
+        self.call_head = head_lines(self.call_headers)
 
     def headers(self, extra: Mapping[str, str] | None = None) -> dict[str, str] | None:
         """Headers for an aiohttp call to it: `extra` plus its credentials (None: none)."""
-        if not self.auth:
+        if not self.call_headers:
             return dict(extra) if extra else None
-        return {**extra, **self.auth} if extra else self.auth
+        return {**extra, **self.call_headers} if extra else self.call_headers
 
     @property
     def id(self) -> str:
@@ -123,6 +126,8 @@ class Worker:
             "block_size": self.block_size,
             "remote_group": self.remote_group,
             "auth": self.cfg.auth.described() if self.cfg.auth is not None else None,
+            "data_parallel_rank": self.cfg.data_parallel_rank,
+            "data_parallel_size": self.cfg.data_parallel_size,
             "capabilities": sorted(self.capabilities),
             "inflight": len(self.inflight),
             "served": self.served,

@@ -82,7 +82,7 @@ class PassThrough:
             return await self._run_fast(a, out, w.fast_key, self.upstream)
         path = "/v1/chat/completions" if a.prep.chat else "/v1/completions"
         headers = {"content-type": "application/json", "x-request-id": a.prep.request_id,
-                   "accept": "text/event-stream" if a.prep.stream else "application/json", **w.auth}
+                   "accept": "text/event-stream" if a.prep.stream else "application/json", **w.call_headers}
         a.t_dispatch = time.monotonic()
         # A stream's status line comes at once (within the first-byte window); a whole
         # answer's only when it is done.
@@ -111,7 +111,7 @@ class PassThrough:
         rid = prep.request_id
         extra = b"x-request-id: " + rid.encode() + b"\r\n" if rid.isascii() else b""
         head = request_head(key[0], key[1], "/v1/chat/completions" if prep.chat else "/v1/completions", len(body),
-                            extra + a.worker.auth_head)
+                            extra + a.worker.call_head)
         ex = Exchange(PassFold(not prep.include_usage), a, t.idle_timeout_s, t.request_timeout_s)
         a.t_dispatch = time.monotonic()
         a.rec.ticket.abort = ex.abort

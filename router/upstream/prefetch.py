@@ -82,7 +82,7 @@ class Prefetcher:
         try:
             async with self.session.post(
                 pf.worker.url + "/kv/prefetch", data=payload,
-                headers={"content-type": "application/json", **pf.worker.auth},
+                headers={"content-type": "application/json", **pf.worker.call_headers},
                 timeout=self.timeout,
             ) as r:
                 await r.read()

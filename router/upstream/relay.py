@@ -87,8 +87,8 @@ class Relay:
         t = self.timeouts
         # the engine's id stays ours (unique in flight); the client's own id travels beside it
         hdrs = JSON_SSE if a.prep.request_id == a.prep.rid else {**JSON_SSE, "x-request-id": a.prep.request_id}
-        if w.auth:
-            hdrs = {**hdrs, **w.auth}
+        if w.call_headers:
+            hdrs = {**hdrs, **w.call_headers}
         up = await open_stream(self.session, url, self.payload(a.prep, w), w.id, self.timeout,
                                t.first_byte_s(a.predicted), t.idle_timeout_s, slot=a.rec.ticket, headers=hdrs)
         a.rec.ticket.abort = up.close  # the worker died: end this request now
@@ -177,7 +177,7 @@ class Relay:
         rid = prep.request_id
         extra = b"" if rid == prep.rid or not rid.isascii() else b"x-request-id: " + rid.encode() + b"\r\n"
         body = self.payload(prep, w)
-        head = request_head(key[0], key[1], "/v1/completions", len(body), extra + w.auth_head)
+        head = request_head(key[0], key[1], "/v1/completions", len(body), extra + w.call_head)
         ex = Exchange(self, a, t.idle_timeout_s, t.request_timeout_s)
         a.rec.ticket.abort = ex.abort
         try:
