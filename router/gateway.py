@@ -250,11 +250,13 @@ class Gateway:
 
     def _candidates(self, prep: Prepared) -> list[Worker]:
         """Healthy workers of the model that can serve the request as asked, under their caps."""
-        return self.candidates(prep.model, prep.ours_error)
+        return self.candidates(prep.model, prep.ours_error, prep.lora)
 
-    def candidates(self, model: ModelRuntime, ours_error: ApiError | None = None) -> list[Worker]:
+    def candidates(self, model: ModelRuntime, ours_error: ApiError | None = None,
+                   lora: str | None = None) -> list[Worker]:
         """Healthy workers of `model` under their caps (only vLLM ones with `ours_error`: what
-        our workers cannot serve); 429/503 when there is none."""
+        our workers cannot serve; only those that list adapter `lora`); 429/503 when there
+        is none."""
         workers = self.pool.routable(model.id)
         if not workers:
             failing = self.pool.healthy(model.id)  # alive, but out of routing by their breakers
@@ -265,6 +267,11 @@ class Gateway:
                                    max(wait, self.cfg.routing.default_retry_after_s), "workers_failing")
             self.metrics.child(self.metrics.shed, "no_healthy_worker").inc()
             raise unavailable(f"No healthy worker serves model {model.id!r} right now.", 1.0)
+        if lora is not None:
+            workers = [w for w in workers if lora in w.adapters]
+            if not workers:
+                self.metrics.child(self.metrics.shed, "no_healthy_worker").inc()
+                raise unavailable(f"No healthy worker serves adapter {lora!r} of model {model.id!r} right now.", 1.0)
         if ours_error is not None:  # only pass-through workers take what ours do not implement
             workers = [w for w in workers if w.kind == "vllm"]
             if not workers:

@@ -28,6 +28,7 @@ class FakeWorker:
     worker_id: str
     namespace_digest: str
     model: str = "test-model"  # what /v1/models lists
+    adapters: tuple[str, ...] = ()  # LoRA adapters /v1/models lists after it (parent: the model)
     block_size: int = 16
     block_bytes: int = 2097152
     capabilities: tuple[str, ...] = ("prefetch", "purge")
@@ -156,7 +157,10 @@ class FakeWorker:
             self.purges.append(msgspec.json.decode(body))
             await reply(200, {"purged_blocks": 3})
         elif path == "/v1/models":
-            await reply(200, {"object": "list", "data": [{"id": self.model, "object": "model", "root": self.model}]})
+            cards = [{"id": self.model, "object": "model", "root": self.model, "parent": None}]
+            cards += [{"id": a, "object": "model", "root": f"/adapters/{a}", "parent": self.model}
+                      for a in self.adapters]
+            await reply(200, {"object": "list", "data": cards})
         elif path == "/v1/embeddings":
             self.embeddings.append(msgspec.json.decode(body))
             self.embedding_headers.append({k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]})

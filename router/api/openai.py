@@ -200,12 +200,19 @@ def model_card(name: str, rt: ModelRuntime) -> dict[str, Any]:
             "max_model_len": rt.max_context}
 
 
+def adapter_card(name: str, rt: ModelRuntime) -> dict[str, Any]:
+    """A LoRA adapter some worker serves, listed as vLLM lists one (its base as `parent`)."""
+    return {**model_card(name, rt), "root": name, "parent": rt.id}
+
+
 def models_list(gw: Gateway) -> dict[str, Any]:
-    return {"object": "list", "data": [model_card(name, rt) for name, rt in gw.models.by_name.items()]}
+    cards = [model_card(name, rt) for name, rt in gw.models.by_name.items()]
+    cards += [adapter_card(a, rt) for rt in gw.models.by_id.values() for a in sorted(rt.adapters)]
+    return {"object": "list", "data": cards}
 
 
 def model_of(gw: Gateway, name: str) -> ModelRuntime:
-    rt = gw.models.get(name)
+    rt = gw.models.get(name) or gw.models.adapter_of(name)
     if rt is None:
         raise model_not_found(name)
     return rt

@@ -444,13 +444,14 @@ class WorkerPool:
         """The worker must serve the configured model (its `/v1/models`): a worker started on
         another model would answer for it. Refused otherwise; False also when unreadable."""
         try:
-            names = await self.probe.models(w)
+            listed = await self.probe.models(w)
         except BadAnswer as e:
             self._refuse(w, str(e), "bad_models")
             return False
-        if names is None:
+        if listed is None:
             self._health_failed(w, w.last_error, w.last_refused)
             return False
+        names, adapters = listed
         model = w.model
         wanted = [model.id, *model.cfg.served_names]
         served = next((n for n in wanted if n in names), None)
@@ -459,6 +460,8 @@ class WorkerPool:
                             f"{model.cfg.served_names})", "model_mismatch")
             return False
         w.served_model = served
+        w.adapters = frozenset(a for a, parent in adapters.items() if parent in wanted)
+        model.adapters |= w.adapters
         return True
 
     def _refuse(self, w: Worker, why: str, code: str) -> None:

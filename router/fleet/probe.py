@@ -90,17 +90,21 @@ class Probe:
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             raise BadAnswer(f"/info is not valid: {e}") from None
 
-    async def models(self, w: Worker) -> list[str] | None:
-        """The model names `/v1/models` lists (ids, and the `root` each is an alias of)."""
+    async def models(self, w: Worker) -> tuple[list[str], dict[str, str]] | None:
+        """What `/v1/models` lists: the model names (ids, and the `root` each is an alias
+        of) and the LoRA adapters (an entry with a `parent`, as vLLM lists them: name → parent)."""
         body = await self.fetch(w, "/v1/models")
         if body is None:
             return None
         try:
             data = msgspec.json.decode(body).get("data")
-            names = [m["id"] for m in data] + [m["root"] for m in data if isinstance(m.get("root"), str)]
+            adapters = {m["id"]: m["parent"] for m in data
+                        if isinstance(m.get("parent"), str) and isinstance(m["id"], str)}
+            names = [m["id"] for m in data if m["id"] not in adapters]
+            names += [m["root"] for m in data if isinstance(m.get("root"), str) and m["id"] not in adapters]
         except (msgspec.DecodeError, AttributeError, KeyError, TypeError):
             raise BadAnswer("/v1/models is not an OpenAI model list") from None
-        return [n for n in names if isinstance(n, str)]
+        return [n for n in names if isinstance(n, str)], adapters
 
     async def load(self, w: Worker) -> LoadReport | None:
         """The worker's load: our `/load`, or a vLLM server's `/metrics` as a report."""

@@ -58,6 +58,7 @@ class Worker:
     last_error: str = ""
     max_inflight: int | None = None
     served_model: str = ""  # the name the worker serves the model under (its /v1/models), sent upstream
+    adapters: frozenset[str] = frozenset()  # LoRA adapters of the model it lists in /v1/models
     breaker: Breaker = field(default_factory=lambda: Breaker(5, 1.0, 30.0))
     failing_since: float = 0.0  # when the current run of failed health probes began
     index_target: int | None = None  # the event sequence that carries its republished state
@@ -129,6 +130,7 @@ class Worker:
             "data_parallel_rank": self.cfg.data_parallel_rank,
             "data_parallel_size": self.cfg.data_parallel_size,
             "capabilities": sorted(self.capabilities),
+            "adapters": sorted(self.adapters),
             "inflight": len(self.inflight),
             "served": self.served,
             "failures": self.failures_total,

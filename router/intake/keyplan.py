@@ -46,7 +46,7 @@ class KeyPlanner:
         self.hasher = BlockHasher.for_namespace(namespace)
         self.shared: list[SharedPrefix] = []  # longest first
         self.has_vllm_workers = False
-        self._scoped: OrderedDict[tuple[str, str, int], Namespace] = OrderedDict()
+        self._scoped: OrderedDict[tuple[str, str, int, str], Namespace] = OrderedDict()
 
     def add_shared(self, sp: SharedPrefix) -> None:
         self.shared.append(sp)
@@ -60,11 +60,11 @@ class KeyPlanner:
                 return sp.blocks
         return 0
 
-    def scoped(self, tenant_salt: str, cache_salt: str, shared_blocks: int) -> Namespace:
-        key = (tenant_salt, cache_salt, shared_blocks)
+    def scoped(self, tenant_salt: str, cache_salt: str, shared_blocks: int, lora: str | None = None) -> Namespace:
+        key = (tenant_salt, cache_salt, shared_blocks, lora or "")
         ns = self._scoped.get(key)
         if ns is None:
-            ns = self.namespace.scoped(tenant_salt=tenant_salt, cache_salt=cache_salt,
+            ns = self.namespace.scoped(lora=lora, tenant_salt=tenant_salt, cache_salt=cache_salt,
                                        shared_prefix_blocks=shared_blocks)
             self._scoped[key] = ns
             if len(self._scoped) > SCOPED_CACHE_SIZE:
@@ -73,15 +73,18 @@ class KeyPlanner:
             self._scoped.move_to_end(key)
         return ns
 
-    def plan(self, ids: array[int], tenant_salt: str, cache_salt: str | None) -> KeyPlan:
+    def plan(self, ids: array[int], tenant_salt: str, cache_salt: str | None, lora: str | None = None) -> KeyPlan:
+        """`lora`: the adapter the request runs under; its name is in every block's extra
+        keys (as vLLM and our engine key an adapter's blocks), so no base or other
+        adapter's block ever matches."""
         salted = bool(tenant_salt or cache_salt)
         spb = self.shared_blocks(ids) if (salted and self.shared) else 0
-        ns = self.scoped(tenant_salt, cache_salt or "", spb)
+        ns = self.scoped(tenant_salt, cache_salt or "", spb, lora)
         buf = ids.tobytes()
         n_blocks = len(ids) // self.block_size
         keys = self.hasher.keys(buf, ns.extra_keys(n_blocks))
         plan = KeyPlan(ns, keys, digests64(keys), ns.wire_salt, spb)
         if spb and self.has_vllm_workers:
-            ns0 = self.scoped(tenant_salt, cache_salt or "", 0)
+            ns0 = self.scoped(tenant_salt, cache_salt or "", 0, lora)
             plan.vllm_digests = digests64(self.hasher.keys(buf, ns0.extra_keys(n_blocks)))
         return plan

@@ -29,6 +29,9 @@ class ModelRuntime:
         self.index = PrefixIndex(ns.block_size, max_workers=max_workers)
         self.cost: CostConfig = cfg.cost
         self.max_context = cfg.max_context_tokens
+        # LoRA adapters of this model that some worker has listed in its /v1/models (a
+        # request names one as its `model`; only the workers listing it serve it)
+        self.adapters: set[str] = set()
 
     def add_shared_prefix(self, sp: SharedPrefixConfig) -> SharedPrefix:
         """Resolve a declared shared prefix to token ids (at start; see SharedPrefixConfig)."""
@@ -44,8 +47,8 @@ class ModelRuntime:
         self.keys.add_shared(out)
         return out
 
-    def key_plan(self, ids: array[int], tenant_salt: str, cache_salt: str | None) -> KeyPlan:
-        return self.keys.plan(ids, tenant_salt, cache_salt)
+    def key_plan(self, ids: array[int], tenant_salt: str, cache_salt: str | None, lora: str | None = None) -> KeyPlan:
+        return self.keys.plan(ids, tenant_salt, cache_salt, lora)
 
 
 @dataclass(slots=True)
@@ -62,3 +65,9 @@ class ModelTable:
 
     def get(self, name: str) -> ModelRuntime | None:
         return self.by_name.get(name)
+
+    def adapter_of(self, name: str) -> ModelRuntime | None:
+        """The base model of LoRA adapter `name`, as the workers listed it (None: no such adapter)."""
+        if name in self.by_name:
+            return None
+        return next((rt for rt in self.by_id.values() if name in rt.adapters), None)

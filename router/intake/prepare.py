@@ -63,6 +63,7 @@ class Prepared:
     max_tokens_asked: bool = True  # False: `max_tokens` is the gateway's default, not the client's
     ours_error: ApiError | None = None  # why our own workers cannot serve it (None: they can)
     request_id: str = ""  # the client's X-Request-Id, else `rid`: in logs, and sent to the worker
+    lora: str | None = None  # the LoRA adapter asked for as `model` (None: the base model)
 
 
 class Preparer:
@@ -93,7 +94,8 @@ class Preparer:
         n = len(ids)
         mt = self._check_lengths(chat, req, model, n)
         tk = time.perf_counter()
-        plan = model.key_plan(ids, tenant.salt, req.cache_salt)
+        lora = req.model if req.model in model.adapters and self.models.get(req.model) is None else None
+        plan = model.key_plan(ids, tenant.salt, req.cache_salt, lora)
         keys_s = time.perf_counter() - tk
         sampling = {k: v for k in SAMPLING_FIELDS if (v := getattr(req, k)) is not None}
         include_usage = bool(req.stream and req.stream_options is not None and req.stream_options.include_usage)
@@ -101,7 +103,7 @@ class Preparer:
         return Prepared(
             rid, chat, tenant, model, req.model, ids, plan, mt, req.stream, include_usage, sampling,
             req.cache_salt, t0, int(time.time()), keys_s, raw, requested_max_tokens(req) is not None,
-            ours_problem(raw, req, self.limits.max_stop_sequences), client_request_id(headers) or rid,
+            ours_problem(raw, req, self.limits.max_stop_sequences), client_request_id(headers) or rid, lora,
         )
 
     def _decode(
@@ -109,16 +111,12 @@ class Preparer:
     ) -> tuple[dict[str, Any], ChatRequest | CompletionRequest, ModelRuntime, Any]:
         """The raw body, its typed view, its model, and what to key (messages, text or ids)."""
         raw, req = decode_request(body, chat)
-        if isinstance(req, ChatRequest):
-            msgs = check_chat(req, self.limits.max_messages)
-            model = self.models.get(req.model)
-            if model is None:
-                raise model_not_found(req.model)
-            return raw, req, model, msgs
-        assert isinstance(req, CompletionRequest)
-        model = self.models.get(req.model)
+        model = self.models.get(req.model) or self.models.adapter_of(req.model)  # a model, or an adapter's base
         if model is None:
             raise model_not_found(req.model)
+        if isinstance(req, ChatRequest):
+            return raw, req, model, check_chat(req, self.limits.max_messages)
+        assert isinstance(req, CompletionRequest)
         return raw, req, model, check_completion(req, model.tokenizer.vocab_size)
 
     async def _screen(self, chat: bool, body: bytes) -> None:
