@@ -143,9 +143,12 @@ class GroupApplier:
             keys = keys[(m - n) * k :]
             ds = digests64(keys)
             emap.record(list(hashes), ds, k)
+            # keys the index keeps already (group 0 holds the block) are not kept twice
             gkeys = gs.keys
+            full_key = self._blocks.full_key
             for d, key in zip(ds, keys, strict=True):
-                gkeys.setdefault(d, key)
+                if d not in gkeys and full_key(d) is None:
+                    gkeys[d] = key
         for d in ds:
             held[d] = held.get(d, 0) | bit
         if len(held) > MAX_GROUP_BLOCKS:

@@ -58,7 +58,9 @@ class WorkerGroups:
 
     `held[g]`: digest -> tier bits (1 << tier index, REMOTE = 3) of the blocks group g
     holds; `hashes[g]`: its engine hash -> digest(s); `keys`: full keys of the digests
-    some group > 0 holds, which later events of those groups chain from.
+    some group > 0 holds and the index had no key for when they were stored, which
+    later events of those groups chain from (a key group 0 held and later dropped makes
+    a later child an orphan: a hit lost, never a false one).
     """
 
     __slots__ = ("specs", "held", "hashes", "keys", "cuts", "cut_blocks", "disagreements", "_order")
