@@ -67,7 +67,7 @@ class GroupApplier:
 
     def learn_group0(self, w: WorkerSlot, ev: BlockStored | LazyBlockStored, st: ApplyStats) -> None:
         """Group 0's spec, recorded once the worker has groups or group 0 is not full attention."""
-        spec = spec_of(ev, self.block_size)
+        spec = spec_of(ev)
         if spec is None:
             return
         gs = w.groups
@@ -84,7 +84,7 @@ class GroupApplier:
         if type(g) is not int or g < 0:
             st.bad_events += 1
             return 0
-        spec = spec_of(ev, self.block_size)
+        spec = spec_of(ev)
         if g >= MAX_GROUPS or spec is None:
             st.ignored += 1  # no kind (older publishers) or too many groups: cannot be modelled
             return 0
@@ -92,6 +92,9 @@ class GroupApplier:
         if gs.learn(g, spec):
             st.group_spec_changes += 1
         self._mark_hybrid(w)
+        if spec.block_size % self.block_size:
+            st.ignored += 1  # not keyable at the index's block size: the worker earns nothing
+            return 0
         if isinstance(ev, LazyBlockStored):
             try:
                 ev = ev.materialize()

@@ -36,7 +36,7 @@ def hybrid_match(
     """
     gs = w.groups
     assert gs is not None
-    order = gs.order(w.block_size)
+    order = gs.order(w.block_size, block_size)
     if order is None:
         return None
     mask0 = w.held_mask()

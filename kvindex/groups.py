@@ -33,10 +33,13 @@ class GroupSpec:
     block_size: int
     window: int | None = None
 
-    def needs(self) -> int | None:
+    def needs(self, index_block_size: int) -> int | None:
         """Blocks the group must hold ending at a hit's end: 0 for full attention (all of
         them), `ceil((window - 1) / block_size)` for a window, 1 for a state; None when
-        the rule does not cover the kind (the worker is then credited nothing)."""
+        the rule does not cover the kind or the block size is not a multiple of the
+        index's (the worker is then credited nothing)."""
+        if self.block_size % index_block_size:
+            return None
         if self.kind in FULL_KINDS:
             return 0
         if self.kind in WINDOW_KINDS:
@@ -112,13 +115,13 @@ class WorkerGroups:
         specs.setdefault(0, GroupSpec("full_attention", default_block_size))
         return specs
 
-    def order(self, default_block_size: int) -> list[tuple[int, GroupSpec, int]] | None:
+    def order(self, default_block_size: int, index_block_size: int) -> list[tuple[int, GroupSpec, int]] | None:
         """Groups in the order the rule asks them (full attention first); None when a
-        group's kind is not covered. Group 0 without a spec is full attention."""
+        group is not covered. Group 0 without a spec is full attention."""
         if self._order is None:
             out = []
             for g, spec in sorted(self.all_specs(default_block_size).items()):
-                n = spec.needs()
+                n = spec.needs(index_block_size)
                 if n is None:
                     return None
                 out.append((g, spec, n))
@@ -127,11 +130,11 @@ class WorkerGroups:
         return self._order
 
 
-def spec_of(ev: Any, index_block_size: int) -> GroupSpec | None:
-    """The spec an event reports, or None when it names no usable kind or block size."""
+def spec_of(ev: Any) -> GroupSpec | None:
+    """The spec an event reports, or None when it names no kind or no block size."""
     kind = ev.kv_cache_spec_kind
     bs = ev.block_size
-    if type(kind) is not str or type(bs) is not int or bs <= 0 or bs % index_block_size:
+    if type(kind) is not str or type(bs) is not int or bs <= 0:
         return None
     w = ev.kv_cache_spec_sliding_window
     return GroupSpec(kind, bs, w if type(w) is int else None)

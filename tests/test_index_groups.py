@@ -197,6 +197,9 @@ def test_a_kind_the_rule_does_not_cover_earns_nothing_and_spec_changes_are_count
     st = idx.apply("v", [AllBlocksCleared(), again.cache(0, 0, 6), again.cache(1, 0, 6)])
     assert st.group_spec_changes == 1
     assert credited(idx, "v", t) == 6
+    odd = Engine(t, {0: FULL, 2: ("mamba", BS + 8, None)})  # a group the index cannot key
+    st = idx.apply("v", [odd.cache(2, 0, 1)])
+    assert st.ignored == 1 and "v" not in idx.match(digests(t))
 
 
 def test_clearing_drops_every_group_but_keeps_the_specs():
@@ -280,7 +283,7 @@ def test_the_fixed_point_is_the_longest_length_every_group_accepts(data, n, kind
         kind = "full_attention" if c == 0 else "sliding_window"
         window = None if c == 0 else c * k * BS  # needs ceil((W - 1) / bs) = c blocks
         spec = GroupSpec(kind, k * BS, window)
-        assert spec.needs() == c
+        assert spec.needs(BS) == c
         order.append((g, spec, c))
         held[g] = set(data.draw(st.lists(st.integers(0, n // k), max_size=n + 1)))
     order.sort(key=lambda x: x[2] != 0)
