@@ -288,11 +288,14 @@ class Gateway:
         now = time.monotonic()
         self.pool.refresh_ages(workers, now)
         plan = prep.plan
-        matches = model.index.match(plan.digests)
+        # an engine always computes the last prompt token: a hybrid worker's windows are
+        # checked where its reuse can end (kvindex/group_match.py)
+        cap = (len(prep.ids) - 1) // model.block_size
+        matches = model.index.match(plan.digests, max_blocks=cap)
         if plan.vllm_digests is not None:
             vids = [w.id for w in workers if w.kind == "vllm"]
             if vids:
-                matches.update(model.index.match(plan.vllm_digests, vids))
+                matches.update(model.index.match(plan.vllm_digests, vids, max_blocks=cap))
         for w in workers:  # price only whole engine blocks
             m = matches.get(w.id)
             if m is not None and w.block_size > model.block_size:

@@ -163,7 +163,8 @@ class Observer:
         """The index's match for this request's prompt on its worker at this moment."""
         plan, w = a.prep.plan, a.worker
         digests = plan.vllm_digests if plan.vllm_digests is not None else plan.digests
-        return a.prep.model.index.match(digests, (w.id,), include_draining=True).get(w.id)
+        cap = (len(a.prep.ids) - 1) // a.prep.model.block_size
+        return a.prep.model.index.match(digests, (w.id,), include_draining=True, max_blocks=cap).get(w.id)
 
 
 def predicted_cached_tokens(match: PrefixMatch | None, index_block: int, worker_block: int, prompt_tokens: int) -> int:
