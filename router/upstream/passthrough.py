@@ -56,7 +56,7 @@ class PassThrough:
         prep, w = a.prep, a.worker
         assert prep.raw is not None
         body: dict[str, Any] = dict(prep.raw)
-        body["model"] = w.served_model or prep.model.id
+        body["model"] = prep.lora or w.served_model or prep.model.id
         salt = prep.plan.wire_salt
         if salt:
             body["cache_salt"] = salt

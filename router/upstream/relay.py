@@ -50,7 +50,7 @@ class Relay:
     def payload(self, prep: Prepared, w: Worker) -> bytes:
         """The upstream body: token ids, always streamed with usage, plus what routing adds."""
         body: dict[str, Any] = {
-            "model": w.served_model or prep.model.id,
+            "model": prep.lora or w.served_model or prep.model.id,
             "prompt": prep.ids.tolist(),
             "max_tokens": prep.max_tokens,
             "stream": True,
