@@ -120,7 +120,7 @@ class EngineCore:
             else:
                 self.blocks.on_evict = offload
         self.scheduler = Scheduler(self.blocks, cfg.max_num_batched_tokens, cfg.max_num_seqs, self.tiers)
-        self.runner = ModelRunner(lm.model, self.pool, lm.device)
+        self.runner = ModelRunner(lm.model, self.pool, lm.device, lm.lora)
         self.sampler = Sampler(lm.eos_ids)
         self.decode_step = Ewma()
         self.stats = CoreStats()

@@ -17,6 +17,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from workers.tokenizer import SimTokenizer, TokenizerError
 
+from .lora import LoraSet
 from .tiny import MODEL_ID, SERVED_ALIASES, ModelError, tiny_model_dir
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -33,6 +34,7 @@ class ModelSpec:
     device: str | None = None  # "cpu" | "cuda" | "cuda:N"; None: CUDA when available
     dtype: str = "auto"
     cache_dir: Path | None = None
+    loras: tuple[tuple[str, str], ...] = ()  # (adapter name, folder in peft's format), served as models
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +85,7 @@ class LoadedModel:
     vocab_size: int
     eos_ids: frozenset[int]
     folder: Path
+    lora: LoraSet | None = None  # the LoRA adapters served beside the base model (None: none)
 
     @property
     def dtype_name(self) -> str:
@@ -97,6 +100,11 @@ def load_model(spec: ModelSpec) -> LoadedModel:
     folder = tiny_model_dir(spec.cache_dir) if default else Path(spec.model).expanduser().resolve()
     if not (folder / "config.json").is_file():
         raise ModelError(f"{folder} is not a model folder (no config.json)")
+    model_id = spec.model_id or (MODEL_ID if default else folder.name)
+    names = list(spec.served_names) or [model_id, *(SERVED_ALIASES if default else ())]
+    for name, _ in spec.loras:
+        if name in (model_id, *names):
+            raise ModelError(f"LoRA adapter name {name!r} is already a served model name")
     device = select_device(spec.device)
     dtype = select_dtype(spec.dtype, device, folder)
     auto: Any = AutoModelForCausalLM
@@ -110,14 +118,14 @@ def load_model(spec: ModelSpec) -> LoadedModel:
         tokenizer = EngineTokenizer(folder, vocab)
     except TokenizerError as e:
         raise ModelError(str(e)) from None
-    model_id = spec.model_id or (MODEL_ID if default else folder.name)
-    names = list(spec.served_names) or [model_id, *(SERVED_ALIASES if default else ())]
+    kv = probe_kv_shape(model, device)  # before any adapter is attached: the base model's cache
+    lora = load_adapters(model, spec.loras, device, dtype) if spec.loras else None
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
         device=device,
         dtype=dtype,
-        kv=probe_kv_shape(model, device),
+        kv=kv,
         model_id=model_id,
         revision=spec.revision,
         served_names=names,
@@ -125,7 +133,17 @@ def load_model(spec: ModelSpec) -> LoadedModel:
         vocab_size=vocab,
         eos_ids=_eos_ids(model, tokenizer),
         folder=folder,
+        lora=lora,
     )
+
+
+def load_adapters(model: Any, loras: tuple[tuple[str, str], ...], device: torch.device,
+                  dtype: torch.dtype) -> LoraSet:
+    """Attach every `(name, folder)` adapter (peft's format) to `model`."""
+    out = LoraSet(model)
+    for name, folder in loras:
+        out.load(name, Path(folder).expanduser().resolve(), device, dtype)
+    return out
 
 
 def select_device(name: str | None) -> torch.device:

@@ -7,12 +7,16 @@ with an attention mask and explicit positions. Measured here (CPU, tiny model): 
 costs little next to one forward per sequence, and the results equal each sequence run
 alone to ~1e-5 (tests/test_engine_core.py).
 
+LoRA: each forward runs every row under its sequence's adapter (`Sequence.scope.lora`,
+None for the base model; workers/engine/lora.py), so a batch may mix them.
+
 Only the last position's logits are computed (`logits_to_keep=1`). Every timing covers
 building the inputs and the forward, between synchronisations of the compute stream, so
 on CUDA it measures the work, not its launch (and not the tiers' copies on their streams).
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +24,7 @@ from typing import Any
 import torch
 
 from .kvpool import KVPool
+from .lora import LoraSet
 from .sequence import Sequence
 
 
@@ -32,10 +37,11 @@ class Timed:
 
 
 class ModelRunner:
-    def __init__(self, model: Any, pool: KVPool, device: torch.device) -> None:
+    def __init__(self, model: Any, pool: KVPool, device: torch.device, lora: LoraSet | None = None) -> None:
         self.model = model
         self.pool = pool
         self.device = device
+        self.lora = lora
 
     def prefill(self, seq: Sequence, n: int) -> Timed:
         """Compute tokens [num_computed, num_computed + n) of one sequence; last logits [vocab]."""
@@ -46,7 +52,7 @@ class ModelRunner:
         cache = self.pool.cache(context, self.pool.slot_ids(table, start, end))
         ids = torch.tensor([seq.token_ids[start:end]], dtype=torch.long)
         pos = torch.arange(start, end, dtype=torch.long)[None]
-        logits = self._forward(ids, pos, cache, None)
+        logits = self._forward(ids, pos, cache, None, [seq.scope.lora])
         return Timed(logits[0], self._now() - t0)
 
     def decode(self, seqs: list[Sequence]) -> Timed:
@@ -64,12 +70,15 @@ class ModelRunner:
         cache = self.pool.cache(context, new)
         ids = torch.tensor([[s.token_ids[n]] for s, n in zip(seqs, lens, strict=True)], dtype=torch.long)
         pos = torch.tensor(lens, dtype=torch.long)[:, None]
-        logits = self._forward(ids, pos, cache, mask if width and min(lens) < width else None)
+        logits = self._forward(ids, pos, cache, mask if width and min(lens) < width else None,
+                               [s.scope.lora for s in seqs])
         return Timed(logits, self._now() - t0)
 
-    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, cache: Any, mask: torch.Tensor | None) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, cache: Any, mask: torch.Tensor | None,
+                 adapters: list[str | None]) -> torch.Tensor:
         dev = self.device
-        with torch.inference_mode():
+        lora = self.lora.active(adapters, dev) if self.lora is not None else contextlib.nullcontext()
+        with torch.inference_mode(), lora:
             out = self.model(
                 input_ids=ids.to(dev, non_blocking=True),
                 position_ids=pos.to(dev, non_blocking=True),
