@@ -31,7 +31,7 @@ from workers.errors import BadRequest, Draining, EngineError, ModelNotFound, Pre
 from workers.fleetkeys import peer_bearer
 
 from .blockio import record_of
-from .core import EngineCore, SeqUpdate
+from .core import EngineCore, SeqUpdate, per_group
 from .loop import EngineThread
 from .model import EngineTokenizer
 from .sequence import SamplingParams, Sequence
@@ -353,7 +353,8 @@ class TorchEngine:
                 m = core.blocks.blocks[b].meta
                 if m is not None:
                     metas[k] = m
-            state = state_events(held, metas, core.bs)
+            kv = core.lm.kv
+            state = per_group(state_events(held, metas, core.bs), kv.groups if kv.sliding else None)
             publish = getattr(self.publisher_stats, "publish", None)
             if publish is None:
                 return -1
