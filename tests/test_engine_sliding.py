@@ -130,3 +130,34 @@ def test_prefix_from_each_tier_equals_full_recompute(lm: LoadedModel, tier: str,
 def _events(core: EngineCore) -> list[Any]:
     with core.lock:
         return core.take_events()
+
+
+def test_only_the_window_stays_referenced(lm: LoadedModel) -> None:
+    """Every layer windowed: a sequence keeps references only to the blocks its next tokens
+    attend to, so two requests whose whole KV exceeds the pool run side by side, exactly,
+    the released blocks evicted under them. Full-attention layers (hybrid) keep everything."""
+    core = EngineCore(lm, EngineConfig(num_blocks=40, max_num_batched_tokens=64, max_waiting=16))
+    peak: dict[str, int] = {}
+    trimmed: dict[str, int] = {}
+    commit = core.commit
+
+    def counting(plan: Any, res: Any) -> Any:
+        out = commit(plan, res)
+        for s in core.seqs.values():
+            peak[s.request_id] = max(peak.get(s.request_id, 0), sum(b >= 0 for b in s.block_table))
+            trimmed[s.request_id] = max(trimmed.get(s.request_id, 0), s.num_trimmed)
+        return out
+
+    core.commit = counting  # type: ignore[method-assign]
+    reqs: list[tuple[str, list[int], str | None]] = [("a", BASE, None), ("b", prompt(27, 300), None)]
+    out = run(core, reqs)
+    for rid, ids, _ in reqs:
+        toks, logits, _ = out[rid]
+        check_exact(lm, ids, toks, logits)
+    if lm.kv.window_only is not None:
+        # the window's ceil(39 / 16) = 3 blocks, a 64-token chunk's 4, and the partial ones at both ends
+        assert max(peak.values()) <= 3 + 4 + 2
+        assert core.stats.preemptions == 0 and core.blocks.evicted > 0
+        assert trimmed["a"] >= 28 and trimmed["b"] >= 14
+    else:
+        assert peak["a"] == 33 and core.stats.preemptions > 0 and not any(trimmed.values())

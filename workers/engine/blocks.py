@@ -124,6 +124,7 @@ class BlockManager:
         seq.block_table = list(matched)
         seq.num_computed = len(matched) * self.block_size
         seq.num_registered = len(matched)
+        seq.num_trimmed = 0
         seq.registrable = True
         self.grow(seq, n)
 
@@ -136,10 +137,29 @@ class BlockManager:
     def release(self, seq: Seq) -> None:
         """A sequence stops (finished, cancelled, preempted): drop its references, tail first."""
         for bid in reversed(seq.block_table):
-            self._release_one(bid)
+            if bid >= 0:  # -1: trimmed (out of the window), released already
+                self._release_one(bid)
         seq.block_table = []
         seq.num_computed = 0
         seq.num_registered = 0
+        seq.num_trimmed = 0
+
+    def trim(self, seq: Seq, window: int) -> None:
+        """A model whose every layer attends within `window` tokens: drop the sequence's
+        references to its leading registered blocks that no later token attends to (the
+        next one, at `num_computed`, sees positions from `num_computed - window + 1`).
+        They stay cached under their keys, so evictable (and offloaded) like any cached
+        block, and reusable by a prefix hit until then; their table entries become -1.
+        The last registered block is kept: registering the next one checks its key."""
+        bs = self.block_size
+        dead = min(max(0, seq.num_computed - window + 1) // bs, seq.num_registered - 1)
+        table = seq.block_table
+        while seq.num_trimmed < dead:
+            i = seq.num_trimmed
+            bid = table[i]
+            table[i] = -1
+            self._release_one(bid)
+            seq.num_trimmed += 1
 
     def commit(self, seq: Seq) -> None:
         """Register the sequence's blocks that became full (their KV is in the pool now)."""

@@ -121,7 +121,9 @@ class EngineCore:
             else:
                 self.blocks.on_evict = offload
         self.scheduler = Scheduler(self.blocks, cfg.max_num_batched_tokens, cfg.max_num_seqs, self.tiers)
-        self.runner = ModelRunner(lm.model, self.pool, lm.device, lm.lora)
+        # every layer windowed: blocks out of the window are released as sequences advance
+        self.window = lm.kv.window_only
+        self.runner = ModelRunner(lm.model, self.pool, lm.device, lm.lora, window=self.window)
         self.sampler = Sampler(lm.eos_ids)
         self.decode_step = Ewma()
         self.stats = CoreStats()
@@ -320,6 +322,8 @@ class EngineCore:
             if seq.aborted:
                 continue
             self.blocks.commit(seq)
+            if self.window is not None:
+                self.blocks.trim(seq, self.window)
             tok = result.tokens.get(seq)
             if tok is not None:
                 updates.append(self._append(seq, tok, result.end, result.logprobs.get(seq)))

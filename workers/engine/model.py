@@ -71,6 +71,13 @@ class KVShape:
         return [KVGroup(i, w, tuple(j for j, x in enumerate(windows) if x == w)) for i, w in enumerate(specs)]
 
     @property
+    def window_only(self) -> int | None:
+        """The window when every layer has the same one (no layer needs older tokens), else None."""
+        ws = set(self.windows)
+        w = ws.pop() if len(ws) == 1 else None
+        return w
+
+    @property
     def sliding(self) -> bool:
         """True when some layer attends only within a window."""
         return any(w is not None for w in self.windows)
