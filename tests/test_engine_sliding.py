@@ -22,6 +22,7 @@ from kvindex.tiers import Tier
 from workers.engine.core import EngineCore
 from workers.engine.engineconfig import EngineConfig
 from workers.engine.model import LoadedModel, ModelSpec, load_model
+from workers.engine.sequence import SamplingParams
 from workers.engine.testing import RedisServer
 from workers.engine.tinyswa import write_tiny_sliding_model
 
@@ -161,3 +162,24 @@ def test_only_the_window_stays_referenced(lm: LoadedModel) -> None:
         assert trimmed["a"] >= 28 and trimmed["b"] >= 14
     else:
         assert peak["a"] == 33 and core.stats.preemptions > 0 and not any(trimmed.values())
+
+
+def test_a_windowed_prefix_hit_needs_only_the_blocks_before_its_end(lm: LoadedModel) -> None:
+    """Every layer windowed: a prefix whose first 20 blocks were evicted is still a hit, since
+    the next token attends only to the last ceil(39 / 16) = 3 blocks (vLLM's rule); with
+    full-attention layers (hybrid) the same prefix is a miss."""
+    core = EngineCore(lm, EngineConfig(num_blocks=96, max_num_batched_tokens=512, max_waiting=16))
+    run(core, [("warm", BASE, None)])
+    keys = core.new_sequence("k", IDS, SamplingParams()).keys
+    with core.lock:
+        blocks = core.blocks
+        for k in reversed(keys[:20]):
+            blocks.cached.move_to_end(blocks.by_key[k], last=False)
+        assert blocks.evict_cached(20) == 20
+        assert not any(k in blocks.by_key for k in keys[:20]) and all(k in blocks.by_key for k in keys[20:31])
+    toks, logits, seq = run(core, [("b", IDS, None)])["b"]
+    check_exact(lm, IDS, toks, logits)
+    if lm.kv.window_only is not None:
+        assert seq.usage.cached_tokens == 496 and seq.usage.recomputed_tokens == 37
+    else:
+        assert seq.usage.cached_tokens == 0

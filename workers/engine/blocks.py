@@ -70,6 +70,9 @@ class BlockManager:
         self.events: list[KVEvent] = []
         self.stored = 0
         self.evicted = 0
+        # Every layer of the model attends within this many tokens (None: some layer sees all):
+        # a prefix hit then needs only the blocks its next token attends to (`match`).
+        self.window: int | None = None
 
     # ------------------------------------------------------------------ queries
 
@@ -82,14 +85,30 @@ class BlockManager:
         return self.num_blocks - len(self.free)
 
     def match(self, seq: Seq) -> list[int]:
-        """Pool blocks of the sequence's leading cached blocks (never its last token)."""
+        """Pool blocks of the sequence's leading cached blocks (never its last token).
+
+        With a window (every layer windowed), vLLM's rule for a sliding-window group: a
+        prefix of L blocks is a hit when the `ceil((window - 1) / block_size)` blocks
+        ending at L are registered, whatever is held before them; those earlier blocks
+        come back as -1 (holes that `admit` leaves trimmed)."""
         out: list[int] = []
-        for i in range(seq.cacheable_blocks):
+        cap = seq.cacheable_blocks
+        for i in range(cap):
             bid = self.by_key.get(seq.key(i))
             if bid is None:
                 break
             out.append(bid)
-        return out
+        if self.window is None or len(out) == cap:
+            return out
+        need = max(1, -(-(self.window - 1) // self.block_size))
+        best, run = len(out), 0
+        for i in range(len(out), cap):
+            run = run + 1 if seq.key(i) in self.by_key else 0
+            if run >= need:
+                best = i + 1
+        if best == len(out):
+            return out
+        return [-1] * (best - need) + [self.by_key[seq.key(i)] for i in range(best - need, best)]
 
     def gpu_prefix(self, keys: Sequence[bytes], limit: int) -> int:
         """How many of the leading `keys` (at most `limit`) are registered."""
@@ -108,7 +127,7 @@ class BlockManager:
     def can_admit(self, seq: Seq, matched: list[int], n: int) -> bool:
         """Room for a waiting sequence taking `matched` blocks and computing `n` tokens after them."""
         new = -(-(len(matched) * self.block_size + n) // self.block_size) - len(matched)
-        revived = sum(1 for b in matched if self.blocks[b].ref == 0)
+        revived = sum(1 for b in matched if b >= 0 and self.blocks[b].ref == 0)
         return new + revived <= self.available()
 
     def snapshot(self) -> set[bytes]:
@@ -119,12 +138,16 @@ class BlockManager:
 
     def admit(self, seq: Seq, matched: list[int], n: int) -> None:
         """Give a waiting sequence its cached prefix blocks and room for `n` more tokens."""
+        holes = 0
         for bid in matched:
-            self._acquire(bid)
+            if bid < 0:  # a window hit's leading blocks: nothing attends to them (`match`)
+                holes += 1
+            else:
+                self._acquire(bid)
         seq.block_table = list(matched)
         seq.num_computed = len(matched) * self.block_size
         seq.num_registered = len(matched)
-        seq.num_trimmed = 0
+        seq.num_trimmed = holes
         seq.registrable = True
         self.grow(seq, n)
 

@@ -123,6 +123,7 @@ class EngineCore:
         self.scheduler = Scheduler(self.blocks, cfg.max_num_batched_tokens, cfg.max_num_seqs, self.tiers)
         # every layer windowed: blocks out of the window are released as sequences advance
         self.window = lm.kv.window_only
+        self.blocks.window = self.window
         self.runner = ModelRunner(lm.model, self.pool, lm.device, lm.lora, window=self.window)
         self.sampler = Sampler(lm.eos_ids)
         self.decode_step = Ewma()
@@ -256,7 +257,7 @@ class EngineCore:
         g = seq.num_computed // bs
         u.loaded_tokens = dict.fromkeys(u.loaded_tokens, 0)
         u.prefetched_tokens = 0
-        credit = self.tiers.credit_gpu_hits(seq.keys[:g]) if self.tiers is not None else {}
+        credit = self.tiers.credit_gpu_hits(seq.keys[seq.num_trimmed:g]) if self.tiers is not None else {}
         for tier, n in credit.items():
             u.loaded_tokens[tier.name] += n * bs
             u.prefetched_tokens += n * bs
