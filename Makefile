@@ -10,11 +10,26 @@ ARGS ?=
 
 .PHONY: venv up test test-slow test-all lint bench clean
 
-# torch==2.13.0 (extra `worker`) resolves to the CPU wheel on this machine's disk;
-# it is pinned so pip never pulls a multi-GB CUDA build.
+# torch (only the worker processes import it) is pinned to torch==2.13.0 by the `worker` extra.
+# TORCH picks which build of it the venv gets:
+#   TORCH=      (default) whatever pip resolves with its own configuration (pip.conf, PIP_*):
+#               from PyPI that is, on Linux x86_64, the CUDA build with NVIDIA's runtime wheels
+#               (several GB); a configured local index or wheel folder may offer the CPU build.
+#   TORCH=cpu   the CPU build from PyTorch's CPU index (TORCH_INDEX_cpu), installed first; the
+#               extra then finds torch satisfied.
+#   TORCH=gpu   the CUDA 12.8 build from PyTorch's cu128 index (TORCH_INDEX_gpu), the same way
+#               (the wheels bundle the CUDA runtime; the host needs an NVIDIA driver).
+# TORCH_INDEX overrides the index. The choice applies when the venv is made: `make clean` first
+# to switch an existing one.
+TORCH ?=
+TORCH_INDEX_cpu := https://download.pytorch.org/whl/cpu
+TORCH_INDEX_gpu := https://download.pytorch.org/whl/cu128
+TORCH_INDEX ?= $(TORCH_INDEX_$(TORCH))
 $(STAMP): pyproject.toml
+	@case "$(TORCH)" in ""|cpu|gpu) ;; *) echo "TORCH=$(TORCH): use cpu, gpu or leave it unset"; exit 2;; esac
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
+	$(if $(TORCH),$(PY) -m pip install -q --disable-pip-version-check --index-url '$(TORCH_INDEX)' 'torch==2.13.0')
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,worker,loadtest]'
 	touch $(STAMP)
 
@@ -96,8 +111,8 @@ MUT_tests_kvindex       = $(wildcard tests/test_index*.py tests/test_ingest.py t
 MUT_only_kvwire        := kvwire/*
 MUT_tests_kvwire        = $(wildcard tests/test_planner_fleet.py tests/test_worker_openapi.py tests/test_router_units.py \
                             tests/test_gateway_api.py tests/test_gateway_hardening.py)
-MUT_only_gateway_pool  := router/gateway*.py router/pool*.py router/prepare.py router/keyplan.py \
-                          router/prefetch.py router/attempt.py router/relay.py
+MUT_only_gateway_pool  := router/gateway*.py router/fleet/pool*.py router/intake/prepare.py router/intake/keyplan.py \
+                          router/upstream/prefetch.py router/upstream/attempt.py router/upstream/relay.py
 MUT_tests_gateway_pool  = $(filter-out tests/test_gateway_sim.py,$(wildcard tests/test_gateway_*.py tests/test_pool_*.py \
                             tests/test_router_units.py))
 # Left out: tests/test_gateway_sim.py (a simulated cluster in a child process, whose timing on a

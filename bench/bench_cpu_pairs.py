@@ -1,6 +1,6 @@
 """Gateway CPU per request of a change against its base, in alternating pairs of runs.
 
-This machine's CPU figures move by ±20% between runs, more than most single changes to
+On a shared 2-core host CPU figures move by ±20% between runs, more than most single changes to
 the gateway; what a change buys shows only when its runs alternate with the base's under
 the same load. Each run starts the simulated fleet and `kvroute serve` (`kv_cost`) from
 one tree (the base: `git archive` of `--base` into a temporary folder, with this tree's

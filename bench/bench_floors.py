@@ -12,7 +12,7 @@ comparisons, each in interleaved rounds:
    once as a raw asyncio protocol (httptools) and once as an ASGI app under uvicorn (its
    defaults here: uvloop, httptools). The difference is uvicorn's per-request cost.
 
-Results and what they mean: docs/performance.md ("Floors and alternatives").
+Results and what they mean: bench/notes/performance.md ("Floors and alternatives").
 Everything listens on 127.0.0.1 and is stopped at exit.
 
     .venv/bin/python bench/bench_floors.py [--rounds 3] [--seconds 12]
@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import bench_router_cpu as rc  # noqa: E402
 
 from loadtest.ports import free_port  # noqa: E402
-from router.asgi import read_body  # noqa: E402
+from router.api.asgi import read_body  # noqa: E402
 
 _CHUNK = (b'data: {"id":"x","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
           b'"delta":{"content":"tok "},"finish_reason":null}]}\n\n')

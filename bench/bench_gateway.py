@@ -13,7 +13,7 @@ Printed:
 - the gateway process's CPU time per routed request (µs), from /proc (user + system),
   for completions with token ids and for chat (tokenization included), sequential and
   under concurrency; plus a trivial endpoint back to back vs with idle gaps, which shows
-  what waking an idle process costs on this machine (it dominates the sequential figure:
+  what waking an idle process costs on the host (it dominates the sequential figure:
   a routed request wakes the gateway ~8 times — request, upstream headers, each chunk).
 Decision time alone is bench/bench_decision.py (the planner's).
 
@@ -170,7 +170,7 @@ async def main_async(a: argparse.Namespace, gw_pid: int, gw_url: str, w_url: str
         cpu_chat = per_req(cpu0, tc, a.requests)
         print(f"gateway CPU per routed request (sequential, chat, tokenized here): {cpu_chat * 1e6:.0f} µs")
 
-        # How much of the sequential figure is this machine waking an idle process: the
+        # How much of the sequential figure is the host waking an idle process: the
         # same trivial endpoint back to back, then with idle gaps between requests.
         for label, gap in (("back to back", 0.0), ("with 20 ms idle gaps", 0.02)):
             cpu0, tc = _cpu_s(gw_pid), time.monotonic()

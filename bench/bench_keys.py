@@ -1,4 +1,4 @@
-"""Keying an 8k-token prompt at block size 16 (target: median <= 0.3 ms on this machine).
+"""Keying an 8k-token prompt at block size 16 (target: median <= 0.3 ms on a 2-core CPU host).
 
     .venv/bin/python bench/bench_keys.py [--runs 2000]
 

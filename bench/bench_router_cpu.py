@@ -11,8 +11,9 @@ through each router:
 - sglang-router 0.3.2 with `cache_aware` and `round_robin`;
 - vllm-router 0.1.17 with `cache_aware` and `round_robin`.
 
-The peers are installed from PyPI into a venv of their own (build/peers-venv, made on
-first use); a router that cannot be installed or started is skipped with a message.
+The peers are installed from PyPI into a venv of their own, outside the checkout
+(~/.cache/kvroute/peers-venv, or $KVROUTE_PEERS_VENV; made on first use, shared with
+bench_vllm_routers.py); a router that cannot be installed or started is skipped with a message.
 Every router runs with its per-request logging off (log level warning) so none pays
 for writing log lines.
 
@@ -23,7 +24,7 @@ served (background work such as load polls and health checks included); TTFT p50
 chunk, which it sends before prefill, is not a token) and errors (non-200, an error
 event, a stream without `[DONE]`, a connection failure). Rounds are interleaved
 (direct, then every router; the next round in reverse router order) and each figure
-is the median over rounds. Method and results: docs/performance.md. The load generator is
+is the median over rounds. Method and results: bench/notes/performance.md. The load generator is
 a separate process (aiohttp on uvloop, keep-alive); it reports the rate it actually
 offered and how late its sends were, and a round in which it fell behind is flagged.
 
@@ -57,7 +58,7 @@ from loadtest.ports import free_port  # noqa: E402
 PROFILE = "h200-llama3.1-8b"
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 TOKENIZER = ROOT / "configs/assets/tiny-tokenizer"
-PEERS_VENV = ROOT / "build/peers-venv"
+PEERS_VENV = Path(os.environ.get("KVROUTE_PEERS_VENV") or Path.home() / ".cache/kvroute/peers-venv")
 PEERS = {"sglang": "sglang-router==0.3.2", "vllm": "vllm-router==0.1.17"}
 WORDS = ("route the request to the worker that holds the prefix blocks of this long conversation "
          "and measure what each router spends per request while the cache stays warm on every node").split()
@@ -237,13 +238,13 @@ class Procs:
 
 
 def _peers_python() -> Path | None:
-    """build/peers-venv with the two Rust routers, made on first use; None when it cannot be."""
+    """PEERS_VENV with the two Rust routers, made on first use; None when it cannot be."""
     py = PEERS_VENV / "bin/python"
     have = py.exists() and subprocess.run(
         [str(py), "-c", "import sglang_router, vllm_router"], capture_output=True).returncode == 0
     if have:
         return py
-    print(f"installing {', '.join(PEERS.values())} into {PEERS_VENV.relative_to(ROOT)} ...", flush=True)
+    print(f"installing {', '.join(PEERS.values())} into {PEERS_VENV} ...", flush=True)
     try:
         if not py.exists():
             subprocess.run([sys.executable, "-m", "venv", str(PEERS_VENV)], check=True, capture_output=True)

@@ -10,7 +10,7 @@ pseudo-random token block, so prefix sharing is exact), `max_tokens` = output le
 blocks (affinity, so caches hit as they would behind a cache-aware router).
 
 Prints: cluster process CPU seconds / requests (the number asked for), CPU per
-generated token, the cluster's CPU utilisation (cpu_s / wall_s, of 2 cores here), the
+generated token, the cluster's CPU utilisation (cpu_s / wall_s, in cores), the
 client's own CPU, and TTFT p50/p99 as the client saw it vs as the workers reported it
 (usage.kv.ttft_ms) — the gap is the HTTP + event-loop overhead on simulated time.
 

@@ -1,4 +1,4 @@
-"""What this host's HTTP path does to request arrivals: the numbers behind the offline
+"""What the HTTP path of the host it runs on does to request arrivals: the numbers behind the offline
 simulator's `local-http` transport (loadtest/router_model.py TRANSPORTS).
 
     .venv/bin/python bench/transport_probe.py [--trace FILE] [--limit 300] [--workers 4]
@@ -38,6 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from loadtest.cliargs import out_dir  # noqa: E402
 from loadtest.compare import CompareConfig, http_run  # noqa: E402
 from loadtest.results import ResultsWriter, read_runs  # noqa: E402
 from loadtest.router_model import TRANSPORTS  # noqa: E402
@@ -198,7 +199,8 @@ def main() -> int:
     ap.add_argument("--limit", type=int, default=300)
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--policy", default="round_robin")
-    ap.add_argument("--out", default="runs/transport-probe")
+    ap.add_argument("--out", default=None, help="a new or empty folder (default: a new one in the system's "
+                                                "temporary directory)")
     ap.add_argument("--from-run", default=None, help="analyse an earlier probe's directory instead of running")
     args = ap.parse_args()
     if args.from_run:
@@ -208,9 +210,11 @@ def main() -> int:
             trace = load_trace(resolve_trace(args.trace)).window(limit=args.limit)
         except TraceError as e:
             raise SystemExit(f"error: {e}") from None
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "arrivals.log").unlink(missing_ok=True)
+        try:
+            out = out_dir(args.out, "transport-probe")
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
+        print(f"output: {out}", flush=True)
         cfg = CompareConfig(policies=[args.policy], workers=args.workers, arrival_log=str(out / "arrivals.log"))
         synth = TokenSynth.for_trace(trace, vocab_size=cfg.vocab_size, seed=cfg.seed)
         with ResultsWriter(out / "results.jsonl") as w:

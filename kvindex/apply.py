@@ -1,6 +1,6 @@
 """Applying a worker's KV events to the index: stored, removed, cleared.
 
-Two ways in (docs/index.md): verified, the default, keys each `BlockStored` from its
+Two ways in (docs/prefix-index.md): verified, the default, keys each `BlockStored` from its
 tokens under the worker's namespace and maps the engine's hashes to our digests;
 trusted, for our own workers, applies their published digests as they are and
 recomputes a sample of chain roots to catch a misconfigured worker. Both follow one
@@ -13,6 +13,8 @@ from typing import Any
 
 from .blockmap import SHARD_MASK, BlockMap, lookup
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, EventDecodeError, LazyBlockStored
+from .group_apply import GroupApplier, extras_with_skipped
+from .groups import FULL_KINDS
 from .keys import ROOT_KEY, digests64, tokens_to_bytes
 from .slots import REMOTE, SlotTable, WorkerSlot
 from .stats import ApplyStats
@@ -27,7 +29,7 @@ class EventApplier:
     """Applies events to a `BlockMap`, counting entries in a `SlotTable`.
 
     `clear_worker` is the index's own (AllBlocksCleared, a digest mismatch): it
-    retires the worker's slot.
+    retires the worker's slot. Events of KV-cache groups > 0 go to a `GroupApplier`.
     """
 
     def __init__(
@@ -37,6 +39,7 @@ class EventApplier:
         self._blocks = blocks
         self._slots = slots
         self._clear_worker = clear_worker
+        self._groups = GroupApplier(block_size, blocks, slots.mark_hybrid)
 
     def apply(self, w: WorkerSlot, events: Iterable[Any], st: ApplyStats) -> int:
         """Apply events in order, counting into `st`; returns blocks touched. Never raises."""
@@ -71,8 +74,10 @@ class EventApplier:
 
     def _stored(self, w: WorkerSlot, ev: BlockStored | LazyBlockStored, st: ApplyStats) -> int:
         if ev.group_idx:
-            st.ignored += 1
-            return 0
+            return self._groups.stored(w, ev, st)
+        kind = ev.kv_cache_spec_kind
+        if kind is not None and (w.groups is not None or kind not in FULL_KINDS):
+            self._groups.learn_group0(w, ev, st)
         if w.trusted:
             done = self._stored_trusted(w, ev, st)
             if done is not None:
@@ -193,8 +198,11 @@ class EventApplier:
             if k > 1 and ti != REMOTE:
                 w.engine_hashes.hold(hashes, ds, k, bit)
         else:
+            # The hashes name the last n of the blocks the tokens cover: a windowed group
+            # skips the blocks that already left its window (docs/kv-groups.md).
+            m = len(tokens) // ebs if type(tokens) is list else n
             try:
-                extras = _extras(ev, n, k)
+                extras = _extras(ev, n, k) if m == n else extras_with_skipped(ev, n, k, m - n)
             except ValueError:
                 st.bad_events += 1
                 return 0
@@ -204,14 +212,16 @@ class EventApplier:
                 return 0
             hasher = w.hasher
             try:
-                buf = tokens_to_bytes(tokens if len(tokens) == n * ebs else tokens[: n * ebs])
-                if len(buf) < 4 * n * ebs:  # tokens given as packed bytes, too few of them
+                buf = tokens_to_bytes(tokens if len(tokens) == m * ebs else tokens[: m * ebs])
+                if len(buf) < 4 * m * ebs:  # tokens given as packed bytes, too few of them
                     raise ValueError("too few tokens")
-                states = None if extras is None else hasher.states_for(extras, n * k)
-                keys = hasher.chain(buf, n * k, states, parent)
+                states = None if extras is None else hasher.states_for(extras, m * k)
+                keys = hasher.chain(buf, m * k, states, parent)
             except (OverflowError, TypeError, ValueError):
                 st.bad_events += 1
                 return 0
+            if m != n:
+                keys = keys[(m - n) * k :]
             ds = digests64(keys)
             added = self._blocks.set_bits(ds, keys, bit)
             try:
@@ -254,15 +264,14 @@ class EventApplier:
         d = w.engine_hashes.parent_digest(parent)
         if d is None or not self._blocks.bitmap(d) & self._slots.live:
             return None
-        # None when only trusted workers stored it: they keep no full keys (docs/index.md)
+        # None when only trusted workers stored it: they keep no full keys (docs/prefix-index.md)
         return self._blocks.full_key(d)
 
     # ------------------------------------------------------------------ BlockRemoved
 
     def _removed(self, w: WorkerSlot, ev: BlockRemoved, st: ApplyStats) -> int:
         if ev.group_idx:
-            st.ignored += 1
-            return 0
+            return self._groups.removed(w, ev, st)
         bit, ti = self._tier_bit(w, ev.medium, st)
         if w.engine_hashes:
             held = 0 if ti == REMOTE else w.local_bits()

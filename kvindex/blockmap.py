@@ -3,7 +3,7 @@
 Bitmap values are interned, so the many blocks with the same holders share one int
 object and a lookup finds it in cache; a second map keeps the full key of blocks keyed
 from their tokens, which verified children chain from. Both maps are sharded so that
-a dict resize never stalls the event loop for long (docs/index.md).
+a dict resize never stalls the event loop for long (docs/prefix-index.md).
 """
 from __future__ import annotations
 

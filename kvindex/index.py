@@ -4,7 +4,7 @@ A block's 64-bit digest maps to a bitmap of its holders (`kvindex.blockmap`), fo
 bits per worker slot (`kvindex.slots`), so one lookup per block answers for every
 worker and a query only does bit arithmetic where the holders change. Events are
 applied by `kvindex.apply`. Not thread-safe, by design: one owner (the gateway's
-event loop) mutates and queries it, and no method awaits. docs/index.md explains
+event loop) mutates and queries it, and no method awaits. docs/prefix-index.md explains
 the layout, the verified and trusted ways in, sweeping and the concurrency model.
 """
 from __future__ import annotations
@@ -26,6 +26,7 @@ from .errors import (
     WorkerAlreadyRegistered,
 )
 from .events import DecodedBatch, KVEvent, LazyBlockStored
+from .group_match import group_counters, group_specs, hybrid_match
 from .keys import KEY_BYTES, BlockHasher, digests64
 from .slots import LOCAL_TIERS, SlotTable, WorkerSlot
 from .stats import ApplyStats, WorkerIndexStats
@@ -98,7 +99,7 @@ class PrefixIndex:
         `trusted_digests`: the worker keys blocks with `kvindex.keys` and publishes
         `digest64` of its keys as block hashes (our engines, kind "kvroute"), so they
         are applied as they are; 1 in `verify_every` of its chain-root events is
-        recomputed to catch a misconfigured worker (docs/index.md).
+        recomputed to catch a misconfigured worker (docs/prefix-index.md).
         Raises WorkerAlreadyRegistered, BadNamespace, BadVerifyEvery, BadBlockSize or
         IndexFull (kvindex/errors.py), each an IndexError_.
         """
@@ -139,6 +140,8 @@ class PrefixIndex:
         """
         w = self._get(worker_id)
         w.engine_hashes.clear()
+        if w.groups is not None:
+            w.groups.clear_blocks()
         w.until_verify = 0
         if not any(w.counts):
             return  # no local bits anywhere: keep the slot
@@ -278,13 +281,22 @@ class PrefixIndex:
     # ------------------------------------------------------------------ queries
 
     def match(
-        self, digests: Sequence[int], workers: Iterable[str] | None = None, include_draining: bool = False
+        self,
+        digests: Sequence[int],
+        workers: Iterable[str] | None = None,
+        include_draining: bool = False,
+        max_blocks: int | None = None,
     ) -> dict[str, PrefixMatch]:
         """Per worker, the leading blocks of `digests` it holds and the tier of each.
 
         Only workers holding at least the first block appear. `workers` narrows the
-        candidates (e.g. those serving the request's model and healthy).
+        candidates (e.g. those serving the request's model and healthy). A worker with
+        KV-cache groups (hybrid models) is credited what the engine's hybrid rule would
+        serve, no longer than `max_blocks` (`(prompt_tokens - 1) // block_size`, the
+        blocks an engine may reuse: a window must end there), see docs/kv-groups.md.
         """
+        if max_blocks is not None and max_blocks < len(digests):
+            digests = digests[: max(0, max_blocks)]
         t = self._slots
         alive = t.active if include_draining else t.routable
         if workers is not None:
@@ -298,6 +310,16 @@ class PrefixIndex:
             return {}
         if type(digests) is not list:  # e.g. a numpy array: plain ints for the lookups
             digests = [int(d) for d in digests]
+        hybrid = alive & t.hybrid
+        if hybrid:
+            out = self._match_leading(alive ^ hybrid, digests) if alive ^ hybrid else {}
+            out.update(self._match_hybrid(hybrid, digests))
+            return out
+        return self._match_leading(alive, digests)
+
+    def _match_leading(self, alive: int, digests: list[int]) -> dict[str, PrefixMatch]:
+        """`match` for the slots in `alive`, by their holder bits (group 0)."""
+        t = self._slots
         shards = self._blocks.bitmaps
         d0 = digests[0]
         if d0 not in shards[d0 & SHARD_MASK]:
@@ -350,6 +372,23 @@ class PrefixIndex:
             ends.append((alive, i))
         return self._matches(ends, tiers)
 
+    def _match_hybrid(self, hybrid: int, digests: list[int]) -> dict[str, PrefixMatch]:
+        """`match` for workers with KV-cache groups: the engine's hybrid rule per worker."""
+        by_group0 = self._match_leading(hybrid, digests)
+        bitmap = self._blocks.bitmap
+        out: dict[str, PrefixMatch] = {}
+        by_slot = self._slots.by_slot
+        B = self.block_size
+        while hybrid:
+            low = hybrid & -hybrid
+            hybrid ^= low
+            w = by_slot[(low.bit_length() - 1) >> 2]
+            g0 = by_group0.get(w.worker_id)
+            m = hybrid_match(w, digests, bitmap, B, None if g0 is None else (g0.blocks, g0.runs))
+            if m is not None:
+                out[w.worker_id] = PrefixMatch(w.worker_id, m[0], m[1])
+        return out
+
     def _matches(self, ends: list[tuple[int, int]], tiers: _TierRuns) -> dict[str, PrefixMatch]:
         """PrefixMatch per worker from the slots that stopped at each length and their tier changes."""
         out: dict[str, PrefixMatch] = {}
@@ -401,6 +440,8 @@ class PrefixIndex:
             blocks=blocks,
             engine_map=len(w.engine_hashes),
             trusted_digests=w.trusted,
+            kv_groups=group_specs(w),
+            **group_counters(w),
         )
 
     def holders(self, digest: int) -> dict[str, list[Tier]]:

@@ -12,6 +12,7 @@ import heapq
 from dataclasses import dataclass, field
 
 from .engine_hashes import EngineHashes
+from .groups import WorkerGroups
 from .keys import BlockHasher
 from .stats import ApplyStats
 from .tiers import Tier
@@ -33,12 +34,13 @@ class WorkerSlot:
     block_size: int  # the engine's, a multiple of the index's
     hasher: BlockHasher
     verify_every: int  # a trusted worker's chain roots: 1 in this many recomputed
-    trusted: bool = False  # block hashes are applied as our digests (docs/index.md)
+    trusted: bool = False  # block hashes are applied as our digests (docs/prefix-index.md)
     draining: bool = False
     until_verify: int = 0  # chain roots to let pass before the next verification
     engine_hashes: EngineHashes = field(default_factory=EngineHashes)
     counts: list[int] = field(default_factory=lambda: [0, 0, 0])  # entries per local tier
     stats: ApplyStats = field(default_factory=ApplyStats)
+    groups: WorkerGroups | None = None  # hybrid models only (docs/kv-groups.md)
 
     def bit(self, ti: int) -> int:
         """Its bitmap bit for tier index `ti` (REMOTE: its group's)."""
@@ -59,7 +61,8 @@ class SlotTable:
     """Workers by id and by slot, remote groups, and the masks queries use.
 
     `active`: bit 4*s per registered, non-retired slot; `routable`: the same minus
-    draining workers; `live`: every bitmap bit of a live holder (active slots' local
+    draining workers; `hybrid`: bit 4*s per worker whose matches follow the hybrid
+    rule (it has KV-cache groups, docs/kv-groups.md); `live`: every bitmap bit of a live holder (active slots' local
     bits, existing groups' remote bits).
     """
 
@@ -79,6 +82,7 @@ class SlotTable:
         self.remote_counts: dict[int, int] = {}  # group slot -> REMOTE entries
         self.active = 0
         self.routable = 0
+        self.hybrid = 0
         self.live = 0
         self.expand_cache: dict[int, int] = {}
 
@@ -117,6 +121,8 @@ class SlotTable:
         self.active |= bit
         if not w.draining:
             self.routable |= bit
+        if w.groups is not None:
+            self.hybrid |= bit
         self.expand_cache.clear()
         self._recompute_live()
 
@@ -125,12 +131,18 @@ class SlotTable:
         bit = 1 << (4 * w.slot)
         self.active &= ~bit
         self.routable &= ~bit
+        self.hybrid &= ~bit
         self.members[w.gslot] &= ~bit
         self.expand_cache.clear()
         self.retired.append(w.slot)
         self.retired_entries += sum(w.counts)
         del self.by_slot[w.slot]
         self._recompute_live()
+
+    def mark_hybrid(self, w: WorkerSlot) -> None:
+        """`w`'s matches follow the hybrid rule from now on (it has KV-cache groups)."""
+        if w.slot in self.by_slot and self.by_slot[w.slot] is w:
+            self.hybrid |= 1 << (4 * w.slot)
 
     def set_draining(self, w: WorkerSlot, draining: bool) -> None:
         w.draining = draining

@@ -6,7 +6,7 @@ per-worker totals (`WorkerIndexStats`), their sums and ingestion's health report
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from operator import attrgetter
 
 
@@ -14,10 +14,14 @@ from operator import attrgetter
 class ApplyStats:
     """What one batch did (the index also sums these per worker).
 
-    `stored` / `removed` count engine blocks named by events; `ignored` counts
-    events of other KV-cache groups (hybrid models: only group 0 is indexed).
+    `stored` / `removed` count engine blocks of group 0 named by events,
+    `group_stored` / `group_removed` those of the other KV-cache groups of hybrid
+    models; `ignored` counts group events the index cannot model (no
+    `kv_cache_spec_kind`, a group it has no spec for, too many groups),
+    `group_spec_changes` a group whose kind, block size or window changed, and
+    `group_overflows` a group emptied for growing past its bound (docs/kv-groups.md).
     `digests_verified` counts a trusted worker's chain-root events recomputed from
-    their tokens, `digest_mismatches` those whose digests differed (docs/index.md).
+    their tokens, `digest_mismatches` those whose digests differed (docs/prefix-index.md).
     """
 
     stored: int = 0
@@ -30,6 +34,10 @@ class ApplyStats:
     ignored: int = 0
     digests_verified: int = 0
     digest_mismatches: int = 0
+    group_stored: int = 0
+    group_removed: int = 0
+    group_spec_changes: int = 0
+    group_overflows: int = 0
 
     def add(self, other: ApplyStats) -> None:
         """Add `other`'s counters to these."""
@@ -56,3 +64,10 @@ class WorkerIndexStats(ApplyStats):
     blocks: dict[str, int]  # entries per tier name
     engine_map: int = 0  # engine hashes mapped to our digests
     trusted_digests: bool = False  # now: False from the start, or since a mismatch
+    # Hybrid models (docs/kv-groups.md): group -> "kind/block size[/window=W]"; queries
+    # where other groups cut what group 0 alone holds (and by how many blocks); queries
+    # where full-attention groups held different leading runs (the groups disagree).
+    kv_groups: dict[str, str] = field(default_factory=dict)
+    group_cuts: int = 0
+    group_cut_blocks: int = 0
+    group_disagreements: int = 0

@@ -57,8 +57,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
         print("kvroute serve: --processes and --replicas must be at least 1", file=sys.stderr)
         return 2
     if a.processes > 1:
-        from router.logs import setup_logging
         from router.processes import Supervisor
+        from router.telemetry.logs import setup_logging
 
         if cfg.listen.port == 0:
             print("kvroute serve: --processes needs a fixed port (every process binds the same one)", file=sys.stderr)
@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bind with SO_REUSEPORT, to share the port with other gateway processes")
     s.add_argument("--replicas", type=int, default=None, metavar="N",
                    help="gateway replicas sharing the fleet (raises routing.replicas to N; --processes sets it)")
-    # set by --processes for its children (router/processes.py, router/replica_sync.py)
+    # set by --processes for its children (router/processes.py, router/fleet/replica_sync.py)
     s.add_argument("--admin-sync", default=None, help=argparse.SUPPRESS)
     s.add_argument("--process-index", type=int, default=0, help=argparse.SUPPRESS)
     s.add_argument("--process-count", type=int, default=1, help=argparse.SUPPRESS)

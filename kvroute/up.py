@@ -271,7 +271,7 @@ def start_sim(a: argparse.Namespace, n: int, ports: PortPlan, profile: str, toke
 def _gateway_config(a: argparse.Namespace) -> tuple[Any, str]:
     """The gateway's config (from --config) with its model set for the fleet; and the sim profile."""
     from router.config import ConfigError, apply_profiles, load_config, read_profile
-    from router.fleetconfig import ModelConfig
+    from router.fleet.fleetconfig import ModelConfig
 
     try:
         cfg = load_config(a.config)
@@ -319,7 +319,7 @@ def _raise_interrupt(signum: int, frame: Any) -> None:
 
 
 def cmd_up(a: argparse.Namespace) -> int:
-    from router.fleetconfig import WorkerConfig
+    from router.fleet.fleetconfig import WorkerConfig
     from router.server import serve
 
     children: list[Child] = []

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 # Fields our engines honour (or that only carry the request itself).
 IMPLEMENTED_COMMON = frozenset({
     "model", "stream", "stream_options", "max_tokens", "stop", "temperature", "top_p", "seed",
-    "cache_salt", "ignore_eos", "kv",
+    "cache_salt", "ignore_eos", "kv", "min_tokens",
 })
 IMPLEMENTED_CHAT = IMPLEMENTED_COMMON | {"messages", "max_completion_tokens"}
 IMPLEMENTED_COMPLETION = IMPLEMENTED_COMMON | {"prompt"}

@@ -1,6 +1,6 @@
 """`kvroute loadtest calibrate`: measure a real worker and write a simulator profile of it.
 
-The gateway measures each worker as it joins (router/speed_probe.py) with the same fit
+The gateway measures each worker as it joins (router/fleet/speed_probe.py) with the same fit
 (router/planner/speedfit.py); this does it at leisure, more thoroughly, and writes the
 result where the simulator reads it, so `loadtest simulate` can predict a fleet of that
 engine. Measured over HTTP, as a client sees the worker:

@@ -12,7 +12,8 @@ report, compare, trace.
     calibrate --url URL --out PROFILE.yaml [--base-profile tiny-cpu]   (a real worker -> a simulator profile)
 
 Every command writes results as JSONL plus a Markdown report with PNG plots into
-`--out` (default: runs/<command>-<time>/) and prints the main table. Exit status:
+`--out`, a new or empty folder (default: a new kvroute-<command>-<time>-* folder in the
+system's temporary directory), prints the main table and where the files went. Exit status:
 0 = done (for `scenario`: every check passed), 1 = a check failed, 2 = bad input.
 """
 from __future__ import annotations
@@ -24,6 +25,9 @@ from typing import Any
 
 from .cliargs import add_judge_arg, add_trace_args, delay, load_trace, out_dir, policy_params, trace_notes
 from .trace import TraceError
+
+OUT_HELP = ("a new or empty folder for the results and report (one holding anything is refused); "
+            "default: a new folder in the system's temporary directory")
 
 # ------------------------------------------------------------------ replay
 
@@ -43,7 +47,6 @@ def cmd_replay(args: argparse.Namespace) -> int:
         ignore_eos=not args.no_ignore_eos, progress=not args.no_progress and sys.stderr.isatty(),
     )
     out = out_dir(args.out, "replay")
-    out.mkdir(parents=True, exist_ok=True)
     res_path = out / "results.jsonl"
     label = args.label or f"replay@{cfg.base.split('//', 1)[-1]}"
     with ResultsWriter(res_path) as w:
@@ -132,7 +135,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         parse_tiers(t)
     params = policy_params(args.param)
     out = out_dir(args.out, "simulate")
-    out.mkdir(parents=True, exist_ok=True)
     notes: list[str] = []
     speed = args.speed
     if args.target_util is not None:
@@ -225,7 +227,6 @@ def cmd_report(args: argparse.Namespace) -> int:
         keep = set(args.runs.split(","))
         runs = [r for r in runs if r.meta.run in keep]
     out = out_dir(args.out, "report")
-    out.mkdir(parents=True, exist_ok=True)
     notes: list[str] = []
     holdout = _holdout(runs, args.judge_from, out, notes)
     md = write_report(runs, out, title=args.title, notes=notes, plots=not args.no_plots, holdout=holdout)
@@ -278,6 +279,7 @@ def cmd_scenario(args: argparse.Namespace) -> int:
         failed += not result.passed
     if len(names) > 1:
         print(f"\n{len(names) - failed}/{len(names)} scenarios passed")
+    print(f"output: {out}")
     return 1 if failed else 0
 
 
@@ -345,7 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--label", default=None, help="run label in the results")
     p.add_argument("--policy-label", default=None, help="the server's routing policy, for the report")
     p.add_argument("--workers-label", type=int, default=None, help="the fleet size, for the report")
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", default=None, help=OUT_HELP)
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(fn=cmd_replay)
 
@@ -367,7 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_judge_arg(p)
     p.add_argument("--param", action="append", default=[], help="policy parameter: POLICY.NAME=VALUE")
     p.add_argument("--jobs", type=int, default=1, help="simulations in parallel processes")
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", default=None, help=OUT_HELP)
     p.add_argument("--no-plots", action="store_true")
     p.set_defaults(fn=cmd_simulate)
 
@@ -375,7 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", help="a scenario name, `list`, or `all`")
     p.add_argument("--size", choices=["small", "full"], default="full")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", default=None, help=OUT_HELP)
     p.set_defaults(fn=cmd_scenario)
 
     p = sub.add_parser("harden", help="the adversarial suite: real gateway and workers, hostile cases (docs/harden.md)")
@@ -386,7 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("report", help="re-render a report from results JSONL files")
     p.add_argument("results", nargs="+")
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", default=None, help=OUT_HELP)
     p.add_argument("--title", default="kvroute load test")
     p.add_argument("--runs", default=None, help="comma list of run labels to keep")
     add_judge_arg(p)
@@ -413,7 +415,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-hold", type=float, default=20.0, metavar="S", help="fairness bound of held requests")
     p.add_argument("--http-from", default=None, metavar="RESULTS_JSONL",
                    help="reuse the HTTP runs of an earlier compare instead of replaying (re-check the offline side)")
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", default=None, help=OUT_HELP)
     p.set_defaults(fn=cmd_compare)
 
     p = sub.add_parser("calibrate", help="measure a real worker (vLLM or ours) and write a simulator profile")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -14,9 +15,23 @@ from .trace import Trace, TraceError
 
 
 def out_dir(arg: str | None, what: str) -> Path:
-    if arg:
-        return Path(arg)
-    return Path("runs") / f"{what}-{time.strftime('%Y%m%d-%H%M%S')}"
+    """The folder a command writes its results and report into, created and empty.
+
+    Without --out: a new folder under the system's temporary directory
+    (`kvroute-<what>-<time>-<random>`), never one inside the working directory. With --out:
+    that folder, created when missing; one that already holds anything is refused
+    (ValueError, exit 2), since a second run would be appended to its results.jsonl and its
+    report rewritten over the first run's."""
+    if not arg:
+        return Path(tempfile.mkdtemp(prefix=f"kvroute-{what}-{time.strftime('%Y%m%d-%H%M%S')}-"))
+    p = Path(arg)
+    if p.exists() and not p.is_dir():
+        raise ValueError(f"--out {p}: exists and is not a folder")
+    if p.is_dir() and any(p.iterdir()):
+        raise ValueError(f"--out {p}: the folder is not empty (an earlier run?); name a new or empty folder, "
+                         "or remove it first")
+    p.mkdir(parents=True, exist_ok=True)
+    return p
 
 
 def _value(s: str) -> Any:

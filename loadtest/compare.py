@@ -12,7 +12,7 @@ replay only sends the trace (token ids, open loop) to its OpenAI endpoint.
 Both sides measure TTFT from the moment a request is issued. The offline side models
 the HTTP path with `RouterSettings`' transport (`--offline-transport local-http`:
 intake, large-body lag, jitter, fixed cost, as bench/transport_probe.py measured them
-on this host); `none` is the pure model. A loaded machine inflates the HTTP side: run
+on a 2-core CPU host); `none` is the pure model. A loaded machine inflates the HTTP side: run
 it on an otherwise idle host.
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 One JSON object per line: `timestamp` (ms since the first request), `input_length`,
 `output_length`, `hash_ids` (one id per 512-token block, the last block possibly
-partial, equal ids = reusable KV). The gateway's recorder (router/recorder.py)
+partial, equal ids = reusable KV). The gateway's recorder (router/telemetry/recorder.py)
 writes the same shape with salted ids, so one reader serves both; unknown extra
 fields (a recording may add some) are ignored. A recording is written in completion
 order, so lines are sorted by `timestamp` (stably) and the trace's notes say so.

@@ -21,8 +21,8 @@ import time
 from collections.abc import Callable
 
 from .config import GatewayQueueConfig
-from .metrics import GatewayMetrics
 from .planner.gateway_queue import GatewayQueue
+from .telemetry.metrics import GatewayMetrics
 
 # model id -> the predicted queue (seconds) of each worker that could take its requests now
 Queues = Callable[[str], list[float]]

@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from .fleetconfig import (
+from .fleet.fleetconfig import (
     CostConfig,
     EventsConfig,
     ModelConfig,
@@ -34,7 +34,7 @@ from .fleetconfig import (
     Strict,
     WorkerConfig,
 )
-from .netpolicy import NetworkPolicy
+from .fleet.netpolicy import NetworkPolicy
 from .planner.registry import make_policy, policy_params
 
 ENV_PREFIX = "KVROUTE_"
@@ -166,11 +166,11 @@ class LimitsConfig(Strict):
     tenant_max_concurrency: int = Field(default=1024, gt=0)
     worker_max_inflight: int | None = Field(default=None, gt=0)
     max_stop_sequences: int = Field(default=4, ge=0)
-    # Request bodies in flight at once, all requests together (router/budget.py): bounds memory.
+    # Request bodies in flight at once, all requests together (router/intake/budget.py): bounds memory.
     max_inflight_body_bytes: int = Field(default=256 * 1024 * 1024, gt=0)
     # An embeddings answer the gateway relays (held whole, counted in the budget above).
     max_embeddings_answer_bytes: int = Field(default=64 * 1024 * 1024, gt=0)
-    # Bodies of 64 KiB or more, per tenant (router/bodyrate.py): 16 MiB/s is ~4 M prompt tokens
+    # Bodies of 64 KiB or more, per tenant (router/intake/bodyrate.py): 16 MiB/s is ~4 M prompt tokens
     # a second, more than a hundred workers prefill; null: no limit.
     tenant_large_body_bytes_per_s: float | None = Field(default=16 * 1024 * 1024, gt=0)
 
@@ -185,7 +185,7 @@ class TraceConfig(Strict):
 
 
 class OtelConfig(Strict):
-    """OpenTelemetry traces (router/tracing.py): a span per request when the SDK is installed.
+    """OpenTelemetry traces (router/telemetry/tracing.py): a span per request when the SDK is installed.
     `endpoint`: an OTLP/HTTP traces URL (e.g. http://collector:4318/v1/traces); without it
     the process's global tracer provider is used."""
 
@@ -196,7 +196,7 @@ class OtelConfig(Strict):
 
 class ObservabilityConfig(Strict):
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
-    log_format: Literal["json", "text"] = "json"  # JSON lines (router/logs.py) or plain text
+    log_format: Literal["json", "text"] = "json"  # JSON lines (router/telemetry/logs.py) or plain text
     # One line per completion request (request id, tenant, worker, decision reason, timings)
     request_log: bool = True
     access_log: bool = False  # uvicorn's own line per HTTP request (every route)
@@ -210,7 +210,7 @@ class AdminConfig(Strict):
     """What the admin API may do. Without `admin_token` it answers only clients on this
     host, and only while the gateway itself listens on loopback (the embedded default).
 
-    `worker_networks` is the gateway's one network policy (router/netpolicy.py): every
+    `worker_networks` is the gateway's one network policy (router/fleet/netpolicy.py): every
     address it connects to — worker URLs and KV-event endpoints, from this file, DNS
     discovery, the admin API or a worker's `/info` — must lie on one of them (host
     names are resolved and every address checked): the gateway is not a proxy to
@@ -292,7 +292,7 @@ class PoolConfig(Strict):
 
 class ListenConfig(Strict):
     """Where the gateway listens, and what a client connection may cost it before it is
-    a request (router/edge.py): the request line, the header fields (count and bytes;
+    a request (router/api/edge.py): the request line, the header fields (count and bytes;
     414/431 past them), the time a request's head may take to arrive (408, then closed:
     slow-loris), and how long a keep-alive connection may sit idle."""
 
@@ -332,7 +332,7 @@ class Config(Strict):
         return names[name]
 
     def _check_addresses(self) -> None:
-        """Addresses written as IPs pass the network policy now (router/netpolicy.py); names
+        """Addresses written as IPs pass the network policy now (router/fleet/netpolicy.py); names
         are resolved and checked when their worker registers."""
         net = NetworkPolicy(self.admin.worker_networks)
         for i, w in enumerate(self.workers):

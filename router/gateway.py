@@ -2,8 +2,8 @@
 
 `Gateway` owns what a request touches (models with their tokenizers and indexes, the
 worker pool, the policy, the pooled HTTP session, metrics) and wires the steps that
-live in their own modules: router/prepare.py, router/prefetch.py, router/relay.py,
-router/admin.py. The ASGI plumbing is router/app.py.
+live in their own modules: router/intake/prepare.py, router/upstream/prefetch.py, router/upstream/relay.py,
+router/api/admin_view.py. The ASGI plumbing is router/api/app.py.
 
 Every request ends with a response or an explicit error: a worker failing before its
 first chunk is replaced by the next best (Decision.ranked, `routing.retries` times);
@@ -16,58 +16,66 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
 from prometheus_client.core import Metric
 
-from . import admin, upstream
-from .admin_policy import LOOPBACK_HOSTS, network_policy
-from .attempt import Attempt, Out
+from .api import admin_view as admin
+from .api.admin_policy import LOOPBACK_HOSTS, network_policy
+from .api.errors import ApiError, rate_limited, unavailable, upstream_failed
 from .binding import Binder
-from .bodyrate import BodyRate
-from .budget import ByteBudget
 from .config import Config
-from .discovery import Discovery
-from .drain import InFlight
-from .errors import ApiError, rate_limited, unavailable, upstream_failed
-from .fidelity import KeyFidelity
-from .fleetconfig import WorkerConfig
-from .ingest_adapter import PoolIngest
-from .membership import Membership
-from .memtrim import MemoryTrim
-from .metrics import GatewayMetrics
-from .model import ModelRuntime, ModelTable
-from .netpolicy import PolicyResolver
-from .observe import Observer, access
-from .passthrough import PassThrough
+from .fleet.discovery import Discovery
+from .fleet.drain import InFlight
+from .fleet.fleetconfig import WorkerConfig
+from .fleet.ingest_adapter import PoolIngest
+from .fleet.membership import Membership
+from .fleet.netpolicy import PolicyResolver
+from .fleet.pool import WorkerPool
+from .fleet.replica_sync import ReplicaSync
+from .fleet.worker import State, Worker
+from .intake.bodyrate import BodyRate
+from .intake.budget import ByteBudget
+from .intake.memtrim import MemoryTrim
+from .intake.model import ModelRuntime, ModelTable
+from .intake.prepare import Prepared, Preparer
+from .intake.tenancy import Tenancy, Tenant
+from .intake.tokenize import Tokenization, Tokenizer
 from .planner.explain import explain as explain_decision
 from .planner.fleet import revision_knobs, whole_engine_blocks
 from .planner.gateway_queue import prefill_size
 from .planner.load import queue_seconds
 from .planner.registry import make_policy, policy_params
 from .planner.types import Decision, Estimate, RouteRequest
-from .pool import WorkerPool
-from .prefetch import Prefetch, Prefetcher, prefetch_rule
-from .prepare import Prepared, Preparer
-from .proxy import UpstreamError
-from .recorder import TraceRecorder
-from .redact import worker_message
-from .relay import Relay
-from .replica_sync import ReplicaSync
-from .tenancy import Tenancy, Tenant
-from .tokenize import Tokenization, Tokenizer
-from .tracing import RequestTracer
-from .worker import State, Worker
+from .telemetry.fidelity import KeyFidelity
+from .telemetry.metrics import GatewayMetrics
+from .telemetry.observe import Observer, access
+from .telemetry.recorder import TraceRecorder
+from .telemetry.tracing import RequestTracer
+from .upstream import http1 as upstream
+from .upstream.attempt import Attempt, Out
+from .upstream.passthrough import PassThrough
+from .upstream.prefetch import Prefetch, Prefetcher, prefetch_rule
+from .upstream.proxy import UpstreamError
+from .upstream.redact import worker_message
+from .upstream.relay import Relay
 
 log = logging.getLogger("kvroute.gateway")
 
 
 class Gateway:
+    """Built complete by `await Gateway.create(cfg)`, on the loop that serves it."""
+
     def __init__(self, cfg: Config) -> None:
+        """Everything a request touches; on a running loop (the HTTP session binds to it).
+        `create` then registers the workers: use it."""
         self.cfg = cfg
+        if not cfg.admin_token:
+            where = "local clients only" if cfg.listen.host in LOOPBACK_HOSTS else "disabled"
+            log.warning("no admin_token: the admin API is %s (listening on %s)", where, cfg.listen.host)
         self.metrics = GatewayMetrics()
         self.tenancy = Tenancy(cfg)
         self.models = _models(cfg)
@@ -82,12 +90,6 @@ class Gateway:
         self.body_rate = BodyRate(cfg.limits.tenant_large_body_bytes_per_s, cfg.limits.max_body_bytes)
         tr = cfg.observability.trace
         self.recorder = TraceRecorder(tr.path, tr.salt, tr.block_tokens, tr.max_ids) if tr.enabled else None
-        self.session: aiohttp.ClientSession | None = None
-        self.pool: WorkerPool | None = None
-        self.ingest: PoolIngest | None = None
-        self.prefetcher: Prefetcher | None = None
-        self.relay: Relay | None = None
-        self.passthrough: PassThrough | None = None
         self.fidelity = KeyFidelity()
         self.observer = Observer(self.policy, self.metrics, self.recorder, self.fidelity,
                                  cfg.observability.request_log,
@@ -96,21 +98,9 @@ class Gateway:
         self._admin_timeout = aiohttp.ClientTimeout(total=2.0, connect=cfg.pool.connect_timeout_s)
         self.metrics.add_state_collector(self._collect_state)
         self.binder = Binder(cfg.routing.gateway_queue, self._predicted_queues, self.metrics)
-        self.membership: Membership | None = None
-        self.discovery: Discovery | None = None
-        self.inflight = InFlight()  # the requests the end of a drain must end (router/drain.py)
+        self.inflight = InFlight()  # the requests the end of a drain must end (router/fleet/drain.py)
         self.stopping = False  # SIGTERM: not ready, finishing what is in flight
-        self.started = False
-        # `kvroute serve --processes N`: admin changes shared with the other processes
-        self.replicas: ReplicaSync | None = None
-
-    # ------------------------------------------------------------------ lifecycle
-
-    async def start(self) -> None:
-        cfg = self.cfg
-        if not cfg.admin_token:
-            where = "local clients only" if cfg.listen.host in LOOPBACK_HOSTS else "disabled"
-            log.warning("no admin_token: the admin API is %s (listening on %s)", where, cfg.listen.host)
+        self.closed = False
         conn = aiohttp.TCPConnector(
             limit=cfg.pool.max_connections, limit_per_host=0, keepalive_timeout=upstream.MAX_IDLE_S,
             enable_cleanup_closed=True,
@@ -136,23 +126,37 @@ class Gateway:
         self.pool.network = network_policy(cfg.admin)
         self.passthrough = PassThrough(self.session, self.pool, self.observer, cfg.pool, self.relay.upstream)
         self.membership = Membership(self.pool)
-        await self.membership.set_static(cfg.workers, "config")
-        if cfg.discovery:
-            self.discovery = Discovery(cfg.discovery, self._on_discovered)
-            await self.discovery.start()
-        if self.replicas is not None:  # the other processes' admin changes, before serving
-            await self.replicas.start()
-        self.started = True
+        self.discovery: Discovery | None = None  # with `discovery` entries in the config
+        # `kvroute serve --processes N`: admin changes shared with the other processes
+        self.replicas: ReplicaSync | None = None
+
+    @classmethod
+    async def create(cls, cfg: Config, replicas: Callable[[Gateway], ReplicaSync] | None = None) -> Gateway:
+        """A gateway ready to serve on the running loop: built, the config's workers
+        registered, discovery started, and (`replicas`, under --processes) the other
+        processes' admin changes taken in. Closed again if any of it fails."""
+        gw = cls(cfg)
+        try:
+            if replicas is not None:
+                gw.replicas = replicas(gw)
+            await gw.membership.set_static(cfg.workers, "config")
+            if cfg.discovery:
+                gw.discovery = Discovery(cfg.discovery, gw._on_discovered)
+                await gw.discovery.start()
+            if gw.replicas is not None:  # the other processes' admin changes, before serving
+                await gw.replicas.start()
+        except BaseException:
+            await gw.close()
+            raise
+        return gw
 
     def _on_discovered(self, workers: dict[str, WorkerConfig]) -> None:
-        assert self.membership is not None
         self.membership.set_discovered(workers)
         self.spawn(self.membership.reconcile("dns"))
 
     async def reload(self, new: Config) -> dict[str, Any]:
         """A re-read config file (SIGHUP): the worker list and discovery entries apply now;
         other sections need a restart, and the log says which changed."""
-        assert self.membership is not None
         old = self.cfg
         if new.discovery != old.discovery:
             if self.discovery is not None:
@@ -172,6 +176,10 @@ class Gateway:
         return {**diff.as_dict(), "restart_needed": later}
 
     async def close(self) -> None:
+        """Everything the gateway holds, let go once (a second call does nothing)."""
+        if self.closed:
+            return
+        self.closed = True
         self.binder.close()
         if self.replicas is not None:
             await self.replicas.close()
@@ -181,14 +189,10 @@ class Gateway:
             t.cancel()
         if self._bg:
             await asyncio.gather(*self._bg, return_exceptions=True)
-        if self.pool is not None:
-            await self.pool.close()
-        if self.ingest is not None:
-            await self.ingest.close()
-        if self.relay is not None:
-            self.relay.close()
-        if self.session is not None:
-            await self.session.close()
+        await self.pool.close()
+        await self.ingest.close()
+        self.relay.close()
+        await self.session.close()
         self.tokenization.close()
         await self.preparer.screener.aclose()
         if self.recorder is not None:
@@ -216,7 +220,6 @@ class Gateway:
         """Ready: every model has a healthy worker, and every healthy worker's cache is in
         the index (a restarted gateway routes by cache from its first request)."""
         pool = self.pool
-        assert pool is not None
         per_model = {m: len(pool.routable(m)) for m in self.models.by_id}
         indexing = sorted(w.id for m in self.models.by_id for w in pool.healthy(m) if not pool.indexed(w))
         ok = all(per_model.values()) and not indexing and not self.stopping
@@ -236,7 +239,6 @@ class Gateway:
 
     def _predicted_queues(self, model_id: str) -> list[float]:
         """Each worker that could take a request of the model now: its predicted queue (s)."""
-        assert self.pool is not None
         workers = self._open(self.pool.routable(model_id))
         self.pool.refresh_ages(workers, time.monotonic())
         return [queue_seconds(w.view) for w in workers]
@@ -248,12 +250,13 @@ class Gateway:
 
     def _candidates(self, prep: Prepared) -> list[Worker]:
         """Healthy workers of the model that can serve the request as asked, under their caps."""
-        return self.candidates(prep.model, prep.ours_error)
+        return self.candidates(prep.model, prep.ours_error, prep.lora)
 
-    def candidates(self, model: ModelRuntime, ours_error: ApiError | None = None) -> list[Worker]:
+    def candidates(self, model: ModelRuntime, ours_error: ApiError | None = None,
+                   lora: str | None = None) -> list[Worker]:
         """Healthy workers of `model` under their caps (only vLLM ones with `ours_error`: what
-        our workers cannot serve); 429/503 when there is none."""
-        assert self.pool is not None
+        our workers cannot serve; only those that list adapter `lora`); 429/503 when there
+        is none."""
         workers = self.pool.routable(model.id)
         if not workers:
             failing = self.pool.healthy(model.id)  # alive, but out of routing by their breakers
@@ -264,6 +267,11 @@ class Gateway:
                                    max(wait, self.cfg.routing.default_retry_after_s), "workers_failing")
             self.metrics.child(self.metrics.shed, "no_healthy_worker").inc()
             raise unavailable(f"No healthy worker serves model {model.id!r} right now.", 1.0)
+        if lora is not None:
+            workers = [w for w in workers if lora in w.adapters]
+            if not workers:
+                self.metrics.child(self.metrics.shed, "no_healthy_worker").inc()
+                raise unavailable(f"No healthy worker serves adapter {lora!r} of model {model.id!r} right now.", 1.0)
         if ours_error is not None:  # only pass-through workers take what ours do not implement
             workers = [w for w in workers if w.kind == "vllm"]
             if not workers:
@@ -278,14 +286,16 @@ class Gateway:
     def _route_request(self, prep: Prepared, workers: list[Worker]) -> RouteRequest:
         model = prep.model
         now = time.monotonic()
-        assert self.pool is not None
         self.pool.refresh_ages(workers, now)
         plan = prep.plan
-        matches = model.index.match(plan.digests)
+        # an engine always computes the last prompt token: a hybrid worker's windows are
+        # checked where its reuse can end (kvindex/group_match.py)
+        cap = (len(prep.ids) - 1) // model.block_size
+        matches = model.index.match(plan.digests, max_blocks=cap)
         if plan.vllm_digests is not None:
             vids = [w.id for w in workers if w.kind == "vllm"]
             if vids:
-                matches.update(model.index.match(plan.vllm_digests, vids))
+                matches.update(model.index.match(plan.vllm_digests, vids, max_blocks=cap))
         for w in workers:  # price only whole engine blocks
             m = matches.get(w.id)
             if m is not None and w.block_size > model.block_size:
@@ -347,7 +357,6 @@ class Gateway:
         return rate_limited(f"All workers are too busy for this request ({d.reason}); retry later.", retry, d.reason)
 
     async def _dispatch(self, prep: Prepared, out: Out) -> int:
-        assert self.pool is not None
         m = self.metrics
         if self.binder.enabled:
             await self.binder.turn(prep.model.id, lambda: self._prefill_tokens(prep), prep.tenant.id)
@@ -403,8 +412,6 @@ class Gateway:
         tries: int = 1,
     ) -> int:
         """One try on worker `w`: prefetch (for the chosen worker), count, relay."""
-        assert self.pool is not None and self.prefetcher is not None
-        assert self.relay is not None and self.passthrough is not None
         chosen = w.id == d.worker_id
         predicted = d.predicted_ttft if chosen else (est.t_ttft if est else None)
         pf = None
@@ -450,7 +457,6 @@ class Gateway:
     # ------------------------------------------------------------------ admin
 
     async def purge_tenant(self, tenant_id: str) -> dict[str, Any]:
-        assert self.pool is not None and self.session is not None
         return await admin.purge_tenant(self.tenancy, self.pool, self.session, tenant_id, self._admin_timeout)
 
     def index_stats(self) -> dict[str, Any]:
@@ -463,7 +469,7 @@ class Gateway:
 
 
 def _worker_said(e: UpstreamError, w: Worker | None) -> str | None:
-    """A failed worker's own 5xx message, fit for the client (router/redact.py)."""
+    """A failed worker's own 5xx message, fit for the client (router/upstream/redact.py)."""
     if e.said is None or w is None:
         return None
     host = urlsplit(w.url).hostname or ""

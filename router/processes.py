@@ -5,7 +5,7 @@ process bound to the port with SO_REUSEPORT. Each child is a full replica: it
 subscribes to every worker's KV events (ZMQ PUB fans out), polls load, and keeps its
 own index; each counts its own dispatches not yet in a load report N times, for the
 others' it cannot see (routing.replicas; docs/replicas.md). An admin change taken by
-one child reaches every other before it is answered (router/replica_sync.py, through
+one child reaches every other before it is answered (router/fleet/replica_sync.py, through
 a private folder made here). This parent only supervises: signals are forwarded
 (SIGTERM stops each gracefully, SIGHUP reloads each), a child that dies is restarted,
 too many deaths stop everything.

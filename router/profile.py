@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .fleetconfig import CostConfig, LinkConfig, NamespaceConfig
+from .fleet.fleetconfig import CostConfig, LinkConfig, NamespaceConfig
 
 
 def namespace_from_profile(p: dict[str, Any]) -> NamespaceConfig:

@@ -1,4 +1,4 @@
-"""Serving the gateway with uvicorn (uvloop + httptools, heads bounded by router/edge.py), in a process or
+"""Serving the gateway with uvicorn (uvloop + httptools, heads bounded by router/api/edge.py), in a process or
 inside a test's loop."""
 from __future__ import annotations
 
@@ -15,16 +15,18 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import uvicorn
+import uvloop
 
-from .api_admin import apply_change
-from .app import GatewayAPI
+from .api.admin import apply_change
+from .api.app import GatewayAPI
+from .api.edge import HeadLimits, protocol_class
 from .config import Config, ConfigError, load_config
-from .edge import HeadLimits, protocol_class
+from .fleet.replica_sync import ReplicaSync
 from .gateway import Gateway
-from .logs import setup_logging
-from .replica_sync import ReplicaSync
+from .telemetry.logs import setup_logging
 
 log = logging.getLogger("kvroute.server")
 
@@ -45,7 +47,7 @@ def uvicorn_config(app: GatewayAPI, cfg: Config, sock_port: int | None = None) -
 
 
 def head_limits(cfg: Config) -> HeadLimits:
-    """What a connection may send before it is a request (router/edge.py), from `listen`."""
+    """What a connection may send before it is a request (router/api/edge.py), from `listen`."""
     li = cfg.listen
     return HeadLimits(li.max_request_line_bytes, li.max_header_count, li.max_header_bytes, li.header_timeout_s,
                       li.idle_timeout_s)
@@ -59,28 +61,45 @@ def serve(cfg: Config, config_path: str | Path | None = None, reuse_port: bool =
     `overrides`: the command line's changes to a config read from the file (`cfg` has them
     already), applied again to every re-read one.
     `sync`: (folder, this process's index, processes) under `--processes`: admin changes
-    shared with the others (router/replica_sync.py)."""
-    gw = Gateway(cfg)
-    if sync is not None:
-        gw.replicas = ReplicaSync(sync[0], sync[1], sync[2], functools.partial(apply_change, gw))
-    ucfg = uvicorn_config(GatewayAPI(gw), cfg)
-    setup_logging(cfg.observability.log_level, cfg.observability.log_format,  # after uvicorn set up its own
-                  cfg.observability.access_log)
-    server = GatewayServer(ucfg, gw, cfg.shutdown.grace_s, Path(config_path) if config_path else None, overrides)
-    sockets = [listen_socket(cfg.listen.host, cfg.listen.port, reuse_port)] if reuse_port else None
-    hup = signal.signal(signal.SIGHUP, server.handle_hup) if config_path else None
-    # What startup built (modules, tokenizers, the config) lives as long as the process:
-    # kept out of the cycle collector's full passes, which would walk it every time.
-    gc.collect()
-    gc.freeze()
+    shared with the others (router/fleet/replica_sync.py)."""
+    obs = cfg.observability
+    setup_logging(obs.log_level, obs.log_format, obs.access_log)  # for the gateway's start
+    hup: Any = None
+    replicas = None if sync is None else \
+        (lambda gw: ReplicaSync(sync[0], sync[1], sync[2], functools.partial(apply_change, gw)))
+
+    async def run() -> bool:
+        nonlocal hup
+        try:
+            gw = await Gateway.create(cfg, replicas)
+        except Exception:
+            log.exception("the gateway failed to start")
+            return False
+        ucfg = uvicorn_config(GatewayAPI(gw), cfg)
+        setup_logging(obs.log_level, obs.log_format, obs.access_log)  # after uvicorn set up its own
+        server = GatewayServer(ucfg, gw, cfg.shutdown.grace_s, Path(config_path) if config_path else None, overrides)
+        sockets = [listen_socket(cfg.listen.host, cfg.listen.port, reuse_port)] if reuse_port else None
+        hup = signal.signal(signal.SIGHUP, server.handle_hup) if config_path else None
+        # What startup built (modules, tokenizers, the config, the pool) lives as long as
+        # the process: kept out of the cycle collector's full passes, which would walk it
+        # every time.
+        gc.collect()
+        gc.freeze()
+        try:
+            await server.serve(sockets=sockets)
+        finally:
+            await gw.close()  # done by the app's lifespan unless the server never started
+        return server.started
+
     try:
-        server.run(sockets=sockets)
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:  # uvicorn_config's loop
+            started = runner.run(run())
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
-        pass
+        started = True
     finally:
         if hup is not None:
             signal.signal(signal.SIGHUP, hup)
-    return 0 if server.started else 1
+    return 0 if started else 1
 
 
 def listen_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
@@ -116,7 +135,7 @@ class ReadBeforeClose(uvicorn.Server):
 
 class DrainingServer(ReadBeforeClose):
     """A shutdown whose drain ends the gateway's way: when `drain_s` has passed, every
-    request still in flight ends its own response (router/drain.py: an SSE error event
+    request still in flight ends its own response (router/fleet/drain.py: an SSE error event
     and a terminated body, or a 503), and the server waits for them. uvicorn's own end
     of a drain — cancelling the handlers, which cuts their streams and logs a traceback
     each — is kept only as a backstop, `END_S` later."""
@@ -210,8 +229,7 @@ async def running_gateway(cfg: Config, *, ready_timeout: float | None = None) ->
     Used by tests and benchmarks: the socket is bound here (port 0) so parallel tests never
     collide, and everything is shut down on exit.
     """
-    gw = Gateway(cfg)
-    await gw.start()
+    gw = await Gateway.create(cfg)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     # Accepted connections inherit it; without it the default asyncio loop stalls ~40 ms
@@ -230,7 +248,6 @@ async def running_gateway(cfg: Config, *, ready_timeout: float | None = None) ->
                 task.result()
             await asyncio.sleep(0.01)
         if ready_timeout is not None:
-            assert gw.pool is not None
             await gw.pool.wait_ready(ready_timeout)
         yield gw, f"http://127.0.0.1:{port}"
     finally:

@@ -9,11 +9,12 @@ docs. It writes, for the installed vLLM version V:
 - tests/data/vllm/events-V.msgpack: the raw multipart frames a scripted request sequence
   produced on the events socket (with evictions and a cache reset), and the replay socket's
   raw answers (format in tests/data/vllm/README.md);
-- a JSON report of the API answers (--report, default runs/vllm-probe.json).
+- a JSON report of the API answers (--report; default kvroute-vllm-probe.json in the system's
+  temporary directory, not the checkout).
 
 Run (two servers, ~3-4 min with the vLLM venv cached):
 
-    .venv/bin/python scripts/vllm_probe.py [--report runs/vllm-probe.json]
+    .venv/bin/python scripts/vllm_probe.py [--report FILE.json]
 """
 from __future__ import annotations
 
@@ -230,7 +231,7 @@ def decode_summary(rec: dict[str, Any]) -> list[str]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--report", type=Path, default=ROOT / "runs" / "vllm-probe.json")
+    ap.add_argument("--report", type=Path, default=Path(tempfile.gettempdir()) / "kvroute-vllm-probe.json")
     args = ap.parse_args()
     python = vh.ensure_vllm_venv()
     version = subprocess.run([str(python), "-c", "import vllm; print(vllm.__version__)"], capture_output=True,

@@ -1,4 +1,4 @@
-"""The admin API against the browser on the operator's machine (router/admin_policy.py):
+"""The admin API against the browser on the operator's machine (router/api/admin_policy.py):
 with no admin token (the newcomer's default) a web page must not be able to add, drain
 or remove a worker (a `text/plain` POST needs no CORS preflight), nor read `/admin/*`
 through DNS rebinding (its own host name in `Host`), nor add a worker on the LAN."""

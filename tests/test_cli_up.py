@@ -95,7 +95,7 @@ def test_kvroute_up_sim_serves_the_sdk_and_stops_on_ctrl_c() -> None:
 
 def _free_range(k: int) -> int:
     """A first port P with P..P+k-1 all free, below Linux's ephemeral range (32768+), so that
-    no outgoing connection of this machine takes one of them in the meantime."""
+    no outgoing connection of the local machine takes one of them in the meantime."""
     rng = random.Random()
     for _ in range(200):
         base = rng.randrange(20000, 32000 - k)

@@ -177,7 +177,7 @@ def test_a_former_policy_setting_fails_at_start_naming_its_constant(tmp_path: Pa
 
 
 def test_env_overrides_add_workers_to_an_empty_list() -> None:
-    """The README's example works on the shipped default (which lists no workers)."""
+    """docs/config.md's example works on the shipped default (which lists no workers)."""
     env = {"KVROUTE_WORKERS__0__ID": "w0", "KVROUTE_WORKERS__0__URL": "http://127.0.0.1:9000",
            "KVROUTE_WORKERS__1__ID": "w1", "KVROUTE_WORKERS__1__URL": "http://127.0.0.1:9001"}
     cfg = load_config(ROOT / "configs/default.yaml", environ=env)

@@ -1,4 +1,4 @@
-"""Packaging, checked without a Docker engine or a cluster (README, "Deploy").
+"""Packaging, checked without a Docker engine or a cluster (docs/operations.md, "Deploy").
 
 - docker-compose.yml validates with Debian's `docker-compose config` (profile `sim` too); every
   build context, Dockerfile, file a Dockerfile copies and file the compose file mounts exists;
@@ -862,7 +862,7 @@ def _free_pair(taken: set[int] | None = None) -> int:
 
 
 def _local(command: list[str], tmp: Path, redis_port: int, taken: set[int]) -> tuple[list[str], int, int]:
-    """A compose worker's command for this machine: loopback, free ports (none in `taken`), the
+    """A compose worker's command for the local machine: loopback, free ports (none in `taken`), the
     test's folders (the weights' cache shared) and Redis."""
     from loadtest.ports import free_port
 

@@ -1,4 +1,4 @@
-"""A stream's middle parts written straight to uvicorn's connection (router/direct_body.py):
+"""A stream's middle parts written straight to uvicorn's connection (router/api/direct_body.py):
 the same bytes as ASGI's send, the connection reusable after, and `send` left to do
 whatever must wait or end the response."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import uvicorn
 from starlette.types import Receive, Scope, Send
 
-from router.direct_body import DirectBody
+from router.api.direct_body import DirectBody
 
 PARTS = [b"data: one\n\n", b"", b"data: two\n\n", b"data: " + b"x" * 70_000 + b"\n\n"]
 SSE = [(b"content-type", b"text/event-stream")]

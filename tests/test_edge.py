@@ -1,4 +1,4 @@
-"""The connection's edge (router/edge.py): request heads bounded in size and time.
+"""The connection's edge (router/api/edge.py): request heads bounded in size and time.
 
 An endless header, a huge request line, too many header fields are refused (414/431 in
 OpenAI's error shape) and the connection closed; a connection that sends half a request

@@ -8,7 +8,7 @@ struct options) for three generations of the format:
   added to the batch;
 - V2: events as maps tagged with `type` (no `array_like`), `lora_name`,
   `extra_keys`, `group_idx`, `kv_cache_spec_*`; in current main the batch is a map
-  too, while the 0.32 release observed on this machine sends the batch as an array.
+  too, while the 0.32 release observed in our vLLM tests sends the batch as an array.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Key fidelity does not mistake KV-event lag for a mis-keyed worker (router/observe.py).
+"""Key fidelity does not mistake KV-event lag for a mis-keyed worker (router/telemetry/observe.py).
 
 A vLLM worker that reports more cached tokens than the index predicted at routing time
 is mis-keyed only if the index, as it stands when the answer ends, still cannot explain
@@ -11,9 +11,9 @@ from typing import Any
 
 from kvindex.index import PrefixIndex
 from kvindex.keys import digests64
-from router.fidelity import MIN_SAMPLES, WINDOW, KeyFidelity
-from router.metrics import GatewayMetrics
-from router.observe import Observer
+from router.telemetry.fidelity import MIN_SAMPLES, WINDOW, KeyFidelity
+from router.telemetry.metrics import GatewayMetrics
+from router.telemetry.observe import Observer
 
 BS = 16  # index block
 WB = 32  # the worker's engine block (two index blocks)

@@ -1,4 +1,4 @@
-"""Real bugs that surviving mutants led to (docs/mutation.md), each now fixed and guarded
+"""Real bugs that surviving mutants led to (bench/notes/mutation.md), each now fixed and guarded
 by its test."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import aiohttp
 from test_gateway_errors import DIGEST, MODEL, _cfg, fleet
 from test_gateway_fakes import FakeWorker, serve_fake
 
-from router.fleetconfig import WorkerConfig
+from router.fleet.fleetconfig import WorkerConfig
 
 
 async def _post(url: str, body: dict[str, Any]) -> int:
@@ -19,7 +19,7 @@ async def _post(url: str, body: dict[str, Any]) -> int:
 
 async def test_one_refused_request_counts_one_failure() -> None:
     """The admin view's `failures` of a worker whose process is gone: one request that
-    found its connection refused is one failure (router/pool.py report_failure counted it,
+    found its connection refused is one failure (router/fleet/pool.py report_failure counted it,
     then handed it to _health_failed, which counted it again)."""
     async with serve_fake(FakeWorker("a", DIGEST)) as doomed:
         url_a = doomed.url

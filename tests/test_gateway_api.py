@@ -19,7 +19,7 @@ from test_gateway_errors import DIGEST, MODEL, _cfg, client, fleet, wait_until
 from test_gateway_fakes import FakeWorker, serve_fake
 
 from router.config import Config
-from router.fleetconfig import WorkerConfig
+from router.fleet.fleetconfig import WorkerConfig
 from router.server import running_gateway
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say something about caches."}]
@@ -104,7 +104,7 @@ async def test_models_tokenize_detokenize() -> None:
 
 async def test_fast_path_and_framework_path_answer_the_same() -> None:
     """The completion routes answer identically through the fast path and through FastAPI."""
-    from router.app import GatewayAPI
+    from router.api.app import GatewayAPI
 
     a = FakeWorker("a", DIGEST)
     async with fleet([a]) as (gw, url):
@@ -235,6 +235,25 @@ async def test_fields_our_workers_lack_go_to_vllm_or_are_named() -> None:
         assert ei.value.code == "unsupported_parameter" and "response_format" in ei.value.message
 
 
+async def test_min_tokens_reaches_our_workers_and_is_checked() -> None:
+    """`min_tokens` (benchmark clients send it for fixed output lengths) is one our engines
+    implement: it goes to our workers as asked, and a minimum above the maximum, or below
+    0, is the client's 400 before any worker sees it."""
+    a = FakeWorker("a", DIGEST)
+    async with fleet([a]) as (_, url):
+        c = client(url)
+        await c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4,  # type: ignore[arg-type]
+                                        extra_body={"min_tokens": 3})
+        assert a.completions[-1]["min_tokens"] == 3 and a.completions[-1]["max_tokens"] == 4
+        for extra, kw in (({"min_tokens": 5}, {"max_tokens": 4}), ({"min_tokens": -1}, {}),
+                          ({"min_tokens": 5000}, {})):
+            with pytest.raises(openai.BadRequestError) as ei:
+                await c.chat.completions.create(model=MODEL, messages=CHAT, extra_body=extra,  # type: ignore[arg-type]
+                                                **kw)
+            assert ei.value.param == "min_tokens", ei.value.message
+        assert len(a.completions) == 1
+
+
 async def test_a_worker_serving_another_model_is_refused() -> None:
     wrong, good = FakeWorker("wrong", DIGEST, model="someone-else"), FakeWorker("good", DIGEST)
     async with vllm_fleet([wrong, good]) as (gw, url):
@@ -273,8 +292,8 @@ _TYPED = {"model": MODEL, "messages": CHAT, "prompt": "Tell me about caches.", "
           "max_completion_tokens": 3, "stream": True, "stream_options": {"include_usage": True}, "n": 2,
           "stop": ["\n\n"], "temperature": 0.5, "top_p": 0.9, "seed": 11, "user": "u-1", "presence_penalty": 0.1,
           "frequency_penalty": 0.2, "logprobs": True, "top_logprobs": 2, "cache_salt": "client-salt",
-          "ignore_eos": True, "echo": True, "suffix": "s", "tools": [{"type": "function", "function": {"name": "f"}}],
-          "tool_choice": "auto"}
+          "ignore_eos": True, "min_tokens": 2, "echo": True, "suffix": "s",
+          "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}
 
 
 @pytest.mark.parametrize("request_class", ["ChatCompletionRequest", "CompletionRequest"])

@@ -14,8 +14,8 @@ from test_gateway_fakes import FakeWorker
 from kvindex.keys import Namespace
 from router.binding import Binder
 from router.config import GatewayQueueConfig
-from router.metrics import GatewayMetrics
 from router.planner.gateway_queue import GatewayQueue
+from router.telemetry.metrics import GatewayMetrics
 
 DIGEST = Namespace(MODEL).digest.hex()
 

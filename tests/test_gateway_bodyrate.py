@@ -1,4 +1,4 @@
-"""Per-tenant rate of large bodies (router/bodyrate.py): a tenant over it gets 429 with
+"""Per-tenant rate of large bodies (router/intake/bodyrate.py): a tenant over it gets 429 with
 Retry-After before its body is read; other tenants and small bodies are not touched."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import aiohttp
 from test_gateway_errors import DIGEST, MODEL, _cfg, fleet
 from test_gateway_fakes import FakeWorker
 
-from router.bodyrate import BodyRate
-from router.screen import SCREEN_BYTES
+from router.intake.bodyrate import BodyRate
+from router.intake.screen import SCREEN_BYTES
 
 
 def test_bucket_admits_its_burst_then_its_rate() -> None:

@@ -1,4 +1,4 @@
-"""POST /v1/embeddings through the gateway's common path (router/embeddings.py): timeouts,
+"""POST /v1/embeddings through the gateway's common path (router/api/embeddings.py): timeouts,
 tenant caps, the served name, the request id, a bounded answer, only legitimate statuses
 relayed."""
 from __future__ import annotations

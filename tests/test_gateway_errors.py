@@ -16,7 +16,7 @@ from test_gateway_fakes import FakeWorker, serve_fake
 
 from kvindex.keys import Namespace
 from router.config import Config, build_config
-from router.fleetconfig import WorkerConfig
+from router.fleet.fleetconfig import WorkerConfig
 from router.server import running_gateway
 
 MODEL = "test-model"

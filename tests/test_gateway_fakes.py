@@ -28,6 +28,7 @@ class FakeWorker:
     worker_id: str
     namespace_digest: str
     model: str = "test-model"  # what /v1/models lists
+    adapters: tuple[str, ...] = ()  # LoRA adapters /v1/models lists after it (parent: the model)
     block_size: int = 16
     block_bytes: int = 2097152
     capabilities: tuple[str, ...] = ("prefetch", "purge")
@@ -63,6 +64,9 @@ class FakeWorker:
     probe_overhead_s: float = 0.0
     probe_status: int = 200
     events: dict[str, Any] | None = None  # what /info advertises as its KV-event endpoints
+    api_key: str | None = None  # like `vllm --api-key`, but on every path: 401 without `Bearer <key>`
+    authorized_paths: list[str] = field(default_factory=list)  # paths of the requests that carried the key
+    unauthorized: list[str] = field(default_factory=list)  # paths refused for want of it
     port: int = 0
 
     @property
@@ -119,6 +123,14 @@ class FakeWorker:
                         "headers": [(b"content-type", b"application/json")]})
             await send({"type": "http.response.body", "body": _enc.encode(obj)})
 
+        if self.api_key is not None:
+            auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            if auth != f"Bearer {self.api_key}":
+                self.unauthorized.append(path)
+                await reply(401, {"error": "Unauthorized"})
+                return
+            self.authorized_paths.append(path)
+
         if path == "/health":
             await reply(self.health_status, {"status": self.health_state})
         elif path == "/info":
@@ -145,7 +157,10 @@ class FakeWorker:
             self.purges.append(msgspec.json.decode(body))
             await reply(200, {"purged_blocks": 3})
         elif path == "/v1/models":
-            await reply(200, {"object": "list", "data": [{"id": self.model, "object": "model", "root": self.model}]})
+            cards = [{"id": self.model, "object": "model", "root": self.model, "parent": None}]
+            cards += [{"id": a, "object": "model", "root": f"/adapters/{a}", "parent": self.model}
+                      for a in self.adapters]
+            await reply(200, {"object": "list", "data": cards})
         elif path == "/v1/embeddings":
             self.embeddings.append(msgspec.json.decode(body))
             self.embedding_headers.append({k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]})
@@ -284,7 +299,7 @@ def _whole(chat: bool, n: int, usage: dict[str, Any]) -> dict[str, Any]:
 @functools.cache
 def _tokenizer() -> Any:
     """The bundled tokenizer, as a vLLM on the bundled model folder uses it."""
-    from router.tokenize import Tokenizer
+    from router.intake.tokenize import Tokenizer
 
     return Tokenizer(Path(__file__).resolve().parent.parent / "configs/assets/tiny-tokenizer")
 

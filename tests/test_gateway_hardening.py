@@ -185,7 +185,7 @@ async def test_metrics_can_require_a_token() -> None:
 async def test_an_open_admin_api_answers_local_clients_of_a_local_gateway_only() -> None:
     import httpx
 
-    from router.app import GatewayAPI
+    from router.api.app import GatewayAPI
 
     async with fleet([FakeWorker("w", DIGEST)]) as (gw, _):
         app = GatewayAPI(gw, manage_lifespan=False)

@@ -1,5 +1,5 @@
-"""The gateway's rules that mutants of router/gateway.py, router/relay.py, router/pool.py
-and router/prepare.py showed unpinned (docs/mutation.md): where a retry goes and how it
+"""The gateway's rules that mutants of router/gateway.py, router/upstream/relay.py, router/fleet/pool.py
+and router/intake/prepare.py showed unpinned (bench/notes/mutation.md): where a retry goes and how it
 is priced and logged, what a failed or shed dispatch answers, the headers and format of
 an answer, readiness, the model table, and a config reload.
 
@@ -20,7 +20,7 @@ from test_gateway_fakes import FakeWorker, serve_fake
 
 from kvindex.events import BlockStored
 from kvindex.keys import digest64
-from router.fleetconfig import WorkerConfig
+from router.fleet.fleetconfig import WorkerConfig
 
 B = 16
 

@@ -32,9 +32,9 @@ from test_gateway_fakes import FakeWorker, serve_fake
 
 from loadtest.ports import free_port
 from router.config import DiscoveryConfig
-from router.discovery import Discovery, LookupFailed, resolve, worker_for
-from router.fleetconfig import WorkerConfig
-from router.logs import JsonFormatter, client_request_id
+from router.fleet.discovery import Discovery, LookupFailed, resolve, worker_for
+from router.fleet.fleetconfig import WorkerConfig
+from router.telemetry.logs import JsonFormatter, client_request_id
 
 ROOT = Path(__file__).resolve().parent.parent
 DIGEST_MODEL = MODEL
@@ -111,11 +111,15 @@ async def test_a_refused_request_is_logged_with_its_status(request_lines: Any) -
     assert lines and lines[-1]["msg"] in ("request refused", "request failed")
 
 
-def test_the_request_log_can_be_switched_off() -> None:
+async def test_the_request_log_can_be_switched_off() -> None:
     from router.gateway import Gateway
 
-    assert Gateway(_cfg(observability={"request_log": False})).observer.request_log is False
-    assert Gateway(_cfg()).observer.request_log is True
+    for over, logged in (({"observability": {"request_log": False}}, False), ({}, True)):
+        gw = await Gateway.create(_cfg(**over))
+        try:
+            assert gw.observer.request_log is logged
+        finally:
+            await gw.close()
 
 
 # ---------------------------------------------------------------------- a real `kvroute serve` process
@@ -214,7 +218,7 @@ async def test_sigterm_stops_taking_work_gracefully_and_exits_clean(tmp_path: Pa
     base = f"http://127.0.0.1:{port}"
     async with serve_fake(slow):
         cfg = tmp_path / "gw.yaml"
-        grace = patience(1.0)  # long enough, on this machine now, to send a request inside it
+        grace = patience(1.0)  # long enough, on the machine running the test now, to send a request inside it
         _write_config(cfg, port, [slow], shutdown={"grace_s": grace, "drain_timeout_s": 10.0})
         async with gateway_process(cfg) as proc, aiohttp.ClientSession() as s:
             await _until_ready(s, base, proc)
@@ -509,7 +513,7 @@ async def test_each_request_is_a_span_when_tracing_is_on() -> None:
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
     from test_gateway_errors import DIGEST
 
-    from router.tracing import RequestTracer
+    from router.telemetry.tracing import RequestTracer
 
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
@@ -538,7 +542,7 @@ async def test_each_request_is_a_span_when_tracing_is_on() -> None:
 
 def test_tracing_off_or_without_the_sdk_costs_nothing() -> None:
     from router.config import OtelConfig
-    from router.tracing import RequestTracer
+    from router.telemetry.tracing import RequestTracer
 
     assert RequestTracer.build(OtelConfig()) is None
     import builtins
@@ -560,7 +564,7 @@ def test_tracing_off_or_without_the_sdk_costs_nothing() -> None:
 # ---------------------------------------------------------------------- replicas
 
 
-def test_a_replica_counts_its_unseen_dispatches_for_the_others() -> None:
+async def test_a_replica_counts_its_unseen_dispatches_for_the_others() -> None:
     from router.gateway import Gateway
     from router.planner.inflight import InflightLedger
     from router.planner.types import CostParams, WorkerView
@@ -576,4 +580,8 @@ def test_a_replica_counts_its_unseen_dispatches_for_the_others() -> None:
     led.report_taken(sent_at=0.2)  # the report knows `t`: only the other is unseen now
     led.fill(v, 0.3)
     assert v.inflight_since_report_requests == 2 and v.inflight_since_report_prefill_tokens == 200
-    assert Gateway(_cfg(routing={"policy": "kv_cost", "replicas": 3})).cfg.routing.replicas == 3
+    gw = await Gateway.create(_cfg(routing={"policy": "kv_cost", "replicas": 3}))
+    try:
+        assert gw.cfg.routing.replicas == 3
+    finally:
+        await gw.close()

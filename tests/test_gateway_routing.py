@@ -17,7 +17,7 @@ from test_gateway_fakes import FakeWorker
 from kvindex.events import BlockStored
 from kvindex.keys import digest64
 from kvindex.tiers import Tier
-from router.fleetconfig import WorkerConfig
+from router.fleet.fleetconfig import WorkerConfig
 
 PROMPT = list(range(100, 100 + 16 * 20 + 5))  # 20 full blocks + 5 tokens
 

@@ -1,4 +1,4 @@
-"""Large bodies whose prompt is too long are refused from their raw JSON (router/screen.py),
+"""Large bodies whose prompt is too long are refused from their raw JSON (router/intake/screen.py),
 with the same 400 as after a full decode, and without the full decode: building 1.6 M
 ints or thousands of message dicts on the event loop is what stalled other tenants."""
 from __future__ import annotations
@@ -12,9 +12,9 @@ import pytest
 from test_gateway_errors import DIGEST, MODEL, _cfg, fleet
 from test_gateway_fakes import FakeWorker
 
-import router.prepare
-import router.schema
-from router.screen import SCREEN_BYTES, PromptSize, measure
+import router.api.schema
+import router.intake.prepare
+from router.intake.screen import SCREEN_BYTES, PromptSize, measure
 
 
 def _enc(body: dict[str, Any]) -> bytes:
@@ -47,13 +47,13 @@ def test_measure_reads_the_prompt_from_raw_json() -> None:
 def decodes(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     """Sizes of the bodies the Preparer fully decoded."""
     seen: list[int] = []
-    real = router.schema.decode_request
+    real = router.api.schema.decode_request
 
     def counting(body: bytes, chat: bool) -> Any:
         seen.append(len(body))
         return real(body, chat)
 
-    monkeypatch.setattr(router.prepare, "decode_request", counting)
+    monkeypatch.setattr(router.intake.prepare, "decode_request", counting)
     yield seen
 
 
@@ -86,7 +86,7 @@ async def test_huge_prompts_are_refused_before_the_body_is_decoded(decodes: list
     async with fleet([FakeWorker("a", DIGEST)], _cfg(limits={"max_body_bytes": 8 << 20})) as (_, url):
         screened = await _post_all(url)
         assert decodes == []  # nothing of these bodies was built
-        monkeypatch.setattr(router.prepare, "SCREEN_BYTES", 1 << 40)  # the same bodies, fully decoded
+        monkeypatch.setattr(router.intake.prepare, "SCREEN_BYTES", 1 << 40)  # the same bodies, fully decoded
         full = await _post_all(url)
         assert len(decodes) == len(_huge())
     assert [s for s, _ in screened] == [400] * len(_huge())
@@ -115,7 +115,7 @@ async def test_the_helper_process_measures_as_inline_and_is_replaced_when_it_die
     import os
     import signal
 
-    from router.screener import Screener
+    from router.intake.screener import Screener
 
     s = Screener(offload_bytes=0)
     try:
@@ -135,10 +135,10 @@ async def test_a_helper_that_cannot_start_means_inline_screening_not_an_error(
         monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
 
-    import router.screener
+    import router.intake.screener
 
     monkeypatch.setattr(sys, "executable", "/nonexistent/python")
-    s = router.screener.Screener(offload_bytes=0)
+    s = router.intake.screener.Screener(offload_bytes=0)
     for _ in range(4):
         for path, body in _huge()[:2]:
             assert await s.measure(body, "chat" in path) == measure(body, "chat" in path)
@@ -149,7 +149,7 @@ async def test_a_helper_that_cannot_start_means_inline_screening_not_an_error(
 async def test_warm_starts_the_helper_in_the_background_once() -> None:
     import asyncio
 
-    from router.screener import Screener
+    from router.intake.screener import Screener
 
     s = Screener(offload_bytes=0)
     try:

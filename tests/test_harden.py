@@ -197,3 +197,12 @@ def small_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, CaseRes
 @pytest.mark.parametrize("name", _all_cases())
 def test_harden_small(name: str, small_results: dict[str, CaseResult]) -> None:
     _assert_case(small_results[name])
+
+
+def test_a_reused_out_folder_is_refused_before_any_case_runs(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    from loadtest.harden.cli import main
+
+    (tmp_path / "report.json").write_text("{}")
+    assert main(["--cases", "deep_json", "--out", str(tmp_path), "--quiet"]) == 2
+    assert str(tmp_path) in capsys.readouterr().err and (tmp_path / "report.json").read_text() == "{}"

@@ -172,20 +172,28 @@ def test_events_edge_cases_are_counted_never_raised():
     assert idx.match(ds)["a"].runs == ((Tier.DISK, 2),)
 
 
-def test_worker_stats_sum_every_counter_of_every_batch():
+def test_worker_stats_sum_every_counter_of_every_batch(monkeypatch):
     """`ApplyStats`'s fields drive the per-worker totals: no counter is left out of the sum."""
+    monkeypatch.setattr("kvindex.group_apply.MAX_GROUP_BLOCKS", 2)  # a group > 0 outgrowing its bound
     t = toks(4, 4)
     ds = digests64(HASHER.keys(t))
     drifted = digests64(BlockHasher.for_namespace(Namespace("m", revision="other", block_size=BS)).keys(t))
     idx = PrefixIndex(BS, max_workers=4)
     idx.add_worker("a", NS.digest, BS)
     idx.add_worker("b", NS.digest, BS, trusted_digests=True)
+    idx.add_worker("c", NS.digest, BS)
     batches = {
         "a": [
             [ours(t, 0, 2, "tape"), ours(t, 2, 4, parent_ok=False), BlockRemoved([ds[0], 777], "DISK")],
             [BlockStored([1], None, t[:BS], BS, None, "GPU", None, group_idx=1), "junk", AllBlocksCleared()],
         ],
         "b": [[BlockStored(drifted, None, t, BS, None, "GPU", None)]],  # its digests differ from ours
+        "c": [  # a hybrid worker: group 1 stores, removes, changes its window, outgrows its bound
+            [BlockStored([5, 6], None, t[: 2 * BS], BS, None, "GPU", None, None, 1, "sliding_window", 8)],
+            [BlockRemoved([5], "GPU", 1), BlockStored([7], 6, t[2 * BS : 3 * BS], BS, None, "GPU", None,
+                                                      None, 1, "sliding_window", 12)],
+            [BlockStored([8, 9], None, t[: 4 * BS], BS, None, "GPU", None, None, 1, "sliding_window", 12)],
+        ],
     }
     seen = ApplyStats()
     for wid, wbatches in batches.items():

@@ -6,7 +6,7 @@ it accepts; a namespace's default scope.
 
 Most index tests register one or two workers, so everything sits in slots 0 and 1
 and an unfiltered query; these pin the rules where a wrong shift or mask would only
-show for other slots, filtered queries or a second resync (docs/mutation.md).
+show for other slots, filtered queries or a second resync (bench/notes/mutation.md).
 """
 from __future__ import annotations
 

@@ -143,7 +143,11 @@ def test_sweep_and_load_search(slice_: object) -> None:
     assert speed is None or probes[-1].ratio >= 1.5
 
 
-def test_cli_simulate_report_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_simulate_report_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the calls without --out write there
     out = tmp_path / "sim"
     rc = main(["simulate", "--trace", MOONCAKE, "--limit", "30", "--workers", "2", "--block-size", "64",
                "--policies", "round_robin,kv_cost", "--out", str(out), "--no-plots",
@@ -313,3 +317,44 @@ def test_a_speed_that_is_no_rate_is_refused_by_the_arguments(speed: str, tmp_pat
     assert ei.value.code == 2
     err = capsys.readouterr().err
     assert "--speed" in err and "above 0" in err and "Traceback" not in err
+
+
+_SMALL = ["simulate", "--trace", MOONCAKE, "--limit", "5", "--workers", "2", "--policies", "round_robin",
+          "--no-plots"]
+
+
+def test_simulate_without_out_writes_a_new_temporary_folder_not_the_working_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import tempfile
+
+    cwd, tmp = tmp_path / "cwd", tmp_path / "tmp"
+    cwd.mkdir()
+    tmp.mkdir()
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    assert main(_SMALL) == 0
+    assert main(_SMALL) == 0
+    assert list(cwd.iterdir()) == []  # nothing written where the command ran (it wrote runs/ there)
+    made = sorted(tmp.iterdir())
+    assert len(made) == 2 and all(p.name.startswith("kvroute-simulate-") for p in made)  # one new folder a run
+    text = capsys.readouterr().out
+    for p in made:
+        assert f"results: {p / 'results.jsonl'}" in text
+        assert [r.meta.run for r in read_runs(p / "results.jsonl")] == ["ideal", "round_robin"]
+
+
+def test_a_reused_out_folder_is_refused_not_appended_to(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "sim"
+    out.mkdir()  # an empty folder is fine
+    assert main([*_SMALL, "--out", str(out)]) == 0
+    before = (out / "results.jsonl").read_bytes()
+    capsys.readouterr()
+    assert main([*_SMALL, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert str(out) in err and "not empty" in err
+    assert (out / "results.jsonl").read_bytes() == before  # the first run's results, alone
+    assert main(["report", str(out / "results.jsonl"), "--out", str(out)]) == 2  # report too
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    assert main([*_SMALL, "--out", str(a_file)]) == 2
+    assert "not a folder" in capsys.readouterr().err and a_file.read_text() == "x"

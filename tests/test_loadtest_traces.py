@@ -92,11 +92,11 @@ def test_mooncake_lines_out_of_order_are_sorted() -> None:
 
 
 def test_reads_the_gateways_recordings(tmp_path: Path) -> None:
-    """Our own recorded traces (router/recorder.py, salted ids, completion order) load and
+    """Our own recorded traces (router/telemetry/recorder.py, salted ids, completion order) load and
     keep their sharing: two prompts sharing 1,024 tokens share their first two ids."""
     from array import array
 
-    from router.recorder import TraceRecorder
+    from router.telemetry.recorder import TraceRecorder
 
     ns = Namespace("m", block_size=16)
     rec = TraceRecorder(tmp_path / "rec.jsonl", salt="s", block_tokens=512)

@@ -1,11 +1,11 @@
-"""router/memtrim.py: malloc_trim after huge requests, in a thread, at most once a second."""
+"""router/intake/memtrim.py: malloc_trim after huge requests, in a thread, at most once a second."""
 from __future__ import annotations
 
 import asyncio
 
 import pytest
 
-from router.memtrim import TRIM_AFTER_BYTES, MemoryTrim
+from router.intake.memtrim import TRIM_AFTER_BYTES, MemoryTrim
 
 
 async def test_trims_after_a_huge_body_only_and_not_too_often() -> None:

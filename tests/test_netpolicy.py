@@ -1,4 +1,4 @@
-"""One network policy for every address the gateway connects to (router/netpolicy.py):
+"""One network policy for every address the gateway connects to (router/fleet/netpolicy.py):
 worker URLs and KV-event endpoints, admin-added, configured or advertised in `/info`."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from test_gateway_errors import DIGEST, MODEL, _cfg, fleet, wait_until
 from test_gateway_fakes import FakeWorker
 
 from router.config import ConfigError
-from router.worker import State
+from router.fleet.worker import State
 
 METADATA = "169.254.169.254"
 
@@ -74,7 +74,7 @@ async def test_a_name_that_later_resolves_off_the_networks_is_not_connected_to()
 
     from aiohttp.abc import AbstractResolver, ResolveResult
 
-    from router.netpolicy import NetworkPolicy, PolicyResolver
+    from router.fleet.netpolicy import NetworkPolicy, PolicyResolver
 
     class Answers(AbstractResolver):
         def __init__(self) -> None:
@@ -100,7 +100,7 @@ async def test_a_name_that_later_resolves_off_the_networks_is_not_connected_to()
 
 async def test_a_name_that_does_not_resolve_yet_is_not_refused() -> None:
     """A worker whose DNS name is not there yet (its pod not up) is retried, not refused."""
-    from router.fleetconfig import WorkerConfig
+    from router.fleet.fleetconfig import WorkerConfig
 
     cfg = _cfg()
     cfg.workers = [WorkerConfig(id="later", url="http://worker-not-yet.invalid:9000", model=MODEL)]

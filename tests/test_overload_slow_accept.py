@@ -12,7 +12,7 @@ import pytest
 from test_gateway_errors import DIGEST, MODEL, _cfg, _raw, _shape, fleet
 from test_gateway_fakes import FakeWorker
 
-from router.proxy import UpstreamError
+from router.upstream.proxy import UpstreamError
 
 
 async def test_every_worker_slow_to_accept_is_a_429_not_a_502(monkeypatch: pytest.MonkeyPatch) -> None:

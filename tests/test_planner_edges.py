@@ -3,7 +3,7 @@ leave open: the exact thresholds (`>` vs `>=`), which worker a fallback picks, a
 calibrated cost model agreeing with the effective speeds it stands for.
 
 Each test names the rule it pins; they were written against surviving mutants
-(docs/mutation.md), so each would fail if that rule were changed by one operator.
+(bench/notes/mutation.md), so each would fail if that rule were changed by one operator.
 """
 from __future__ import annotations
 

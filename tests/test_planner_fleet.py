@@ -176,8 +176,8 @@ def test_prefetch_is_capped_at_the_request_blocks_and_names_the_peer() -> None:
 
 
 def test_gateway_pins_come_from_the_worker_cost_block() -> None:
-    from router.costs import pins
-    from router.fleetconfig import CostConfig
+    from router.fleet.costs import pins
+    from router.fleet.fleetconfig import CostConfig
 
     assert pins(None) == NO_PINS
     p = pins(CostConfig(prefill_tokens_per_s=123.0, decode_step_s=0.0, links={"disk": {"read_Bps": 1e9}}))

@@ -2,7 +2,7 @@
 circuit breaker's inputs, draining in and out of the index, caps, the in-flight
 ledger's counts, context limits and what a vLLM worker's metrics turn into.
 
-Written against mutants that survived the gateway/pool tests (docs/mutation.md): each
+Written against mutants that survived the gateway/pool tests (bench/notes/mutation.md): each
 test pins one rule whose operator could be flipped without any other test noticing.
 """
 from __future__ import annotations
@@ -20,8 +20,8 @@ from test_gateway_fakes import FakeWorker, serve_fake
 from kvindex.events import BlockStored
 from kvindex.keys import digest64
 from kvwire import BlockCounts
-from router.fleetconfig import EventsConfig, WorkerConfig
-from router.vllm_load import VllmLoad, parse_vllm_metrics, vllm_report
+from router.fleet.fleetconfig import EventsConfig, WorkerConfig
+from router.fleet.vllm_load import VllmLoad, parse_vllm_metrics, vllm_report
 
 B = 16
 

@@ -1,5 +1,5 @@
 """`kvroute serve --processes 2`: an admin change reaches every process before it is
-answered (router/replica_sync.py), and a process restarted later has it too.
+answered (router/fleet/replica_sync.py), and a process restarted later has it too.
 
 Which process answers is the kernel's choice per connection (SO_REUSEPORT); every
 request here opens a fresh connection, so 24 of them reach both processes unless the

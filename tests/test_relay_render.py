@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from router.responses import chat_chunk, chunk_renderer, comp_chunk, token_translator
+from router.api.responses import chat_chunk, chunk_renderer, comp_chunk, token_translator
 
 PIECES = ["The", " ", "", "\n", '"', "\\", "ünï", "\u2028", "</s>", "{}", "\t", "\x01", "😀"]
 

@@ -11,11 +11,17 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_router_never_imports_torch_or_workers() -> None:
     code = """
 import sys
-import kvroute.cli, router.app, router.gateway, router.pool, router.proxy, router.server, router.tokenize
-import router.recorder, router.tenancy, router.ingest_adapter, router.config, router.metrics
+import kvroute.cli, router.api.app, router.gateway, router.fleet.pool, router.upstream.proxy, router.server
+import router.intake.tokenize, router.telemetry.recorder, router.intake.tenancy, router.fleet.ingest_adapter
+import router.config, router.telemetry.metrics
 from router.config import load_config
 from router.gateway import Gateway
-gw = Gateway(load_config('configs/default.yaml', environ={}))
+import asyncio
+async def built():
+    gw = await Gateway.create(load_config('configs/default.yaml', environ={}))
+    await gw.close()
+    return gw
+gw = asyncio.run(built())
 rt = next(iter(gw.models.by_id.values()))
 ids = rt.tokenizer.encode_text(rt.tokenizer.render_chat([{'role': 'user', 'content': 'hello'}]), False)
 rt.key_plan(ids, '', None)

@@ -11,14 +11,14 @@ import msgspec
 import pytest
 
 from kvindex.keys import BlockHasher, Namespace, digests64
+from router.api.errors import ApiError
+from router.api.schema import check_chat, check_completion, decode_chat, decode_completion, decode_request, ours_problem
 from router.config import build_config
-from router.errors import ApiError
-from router.model import ModelRuntime
-from router.recorder import TraceRecorder
-from router.schema import check_chat, check_completion, decode_chat, decode_completion, decode_request, ours_problem
-from router.tenancy import Tenancy
-from router.tokenize import Tokenizer
-from router.vllm_load import parse_vllm_metrics
+from router.fleet.vllm_load import parse_vllm_metrics
+from router.intake.model import ModelRuntime
+from router.intake.tenancy import Tenancy
+from router.intake.tokenize import Tokenizer
+from router.telemetry.recorder import TraceRecorder
 
 ROOT = Path(__file__).resolve().parent.parent
 TOK = ROOT / "configs/assets/tiny-tokenizer"
@@ -173,7 +173,7 @@ def test_validation_messages_name_params() -> None:
 
 
 @pytest.mark.parametrize("field,value", [
-    ("response_format", {"type": "json_object"}), ("logit_bias", {"5": 10}), ("min_tokens", 3), ("top_k", 40),
+    ("response_format", {"type": "json_object"}), ("logit_bias", {"5": 10}), ("top_k", 40),
     ("repetition_penalty", 1.2), ("n", 2), ("logprobs", True), ("tools", [{"type": "function"}]),
     ("guided_json", {"type": "object"}), ("lora", "a"), ("priority", 1), ("presence_penalty", 0.5),
 ])

@@ -114,8 +114,8 @@ async def test_streams_alive_when_the_drain_ends_close_with_an_error_event(
     from test_gateway_errors import DIGEST, MODEL, _cfg
     from test_gateway_fakes import FakeWorker, serve_fake
 
-    from router.app import GatewayAPI
-    from router.fleetconfig import WorkerConfig
+    from router.api.app import GatewayAPI
+    from router.fleet.fleetconfig import WorkerConfig
     from router.gateway import Gateway
     from router.server import GatewayServer
 
@@ -124,9 +124,8 @@ async def test_streams_alive_when_the_drain_ends_close_with_an_error_event(
     async with serve_fake(fake):
         cfg = _cfg(shutdown={"grace_s": 0, "drain_timeout_s": drain_s})
         cfg.workers = [WorkerConfig(id="w", url=fake.url, model=MODEL, kind=kind)]  # type: ignore[arg-type]
-        gw = Gateway(cfg)
-        await gw.start()
-        assert gw.pool is not None and await gw.pool.wait_ready(10)
+        gw = await Gateway.create(cfg)
+        assert await gw.pool.wait_ready(10)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]

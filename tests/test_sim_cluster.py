@@ -12,7 +12,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from router.tokenize import Tokenizer
+from router.intake.tokenize import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 QWEN_LIKE = ROOT / "tests" / "data" / "tokenizers" / "qwen2.5-style"

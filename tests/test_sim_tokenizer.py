@@ -3,7 +3,7 @@ for a chat (same template, same special tokens), hence the same block keys; gene
 filler ids are ids of that vocabulary; the folder comes from the profile (any working
 directory) or `--tokenizer`; torch is never imported.
 
-The test may import both `router.tokenize` and `workers`; the packages never import
+The test may import both `router.intake.tokenize` and `workers`; the packages never import
 each other."""
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 
 from kvindex.keys import BlockHasher
-from router.tokenize import Tokenizer
+from router.intake.tokenize import Tokenizer
 from workers.cluster import SimCluster
 from workers.sim.profile import CONFIGS_DIR, load_profile
 from workers.sim.testing import make_profile

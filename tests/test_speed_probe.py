@@ -1,5 +1,5 @@
 """A vLLM worker registered with no `cost:` is measured at join; until then kv_cost routes
-by cache affinity and load, and says so (router/speed_probe.py, planner/speedfit.py)."""
+by cache affinity and load, and says so (router/fleet/speed_probe.py, planner/speedfit.py)."""
 from __future__ import annotations
 
 import aiohttp
@@ -7,7 +7,7 @@ import pytest
 from test_gateway_errors import ADMIN, _cfg, fleet, wait_until
 from test_gateway_fakes import FakeWorker
 
-from router.speed_probe import PROBE_TOKENS, probe_body, probe_lengths
+from router.fleet.speed_probe import PROBE_TOKENS, probe_body, probe_lengths
 
 
 def _vllm(wid: str, **kw: object) -> FakeWorker:

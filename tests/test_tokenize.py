@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from router.tokenize import SegmentCache, Tokenizer, TokenizerError
+from router.intake.tokenize import SegmentCache, Tokenizer, TokenizerError
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs/assets/tiny-tokenizer"
@@ -122,7 +122,7 @@ def test_bad_template_input_is_a_tokenizer_error() -> None:
 
 
 async def test_long_encode_runs_off_loop() -> None:
-    from router.tokenize import Tokenization
+    from router.intake.tokenize import Tokenization
 
     tok = Tokenizer(TINY, thread_min_chars=1000)
     service = Tokenization(max_threads=1)
@@ -184,7 +184,7 @@ def test_cached_equals_uncached_real_like(name: str) -> None:
 
 def test_loading_a_tokenizer_never_imports_torch() -> None:
     code = (
-        "import sys; from router.tokenize import Tokenizer; "
+        "import sys; from router.intake.tokenize import Tokenizer; "
         f"t = Tokenizer({str(TINY)!r}); t.encode_text(t.render_chat([{{'role':'user','content':'x'}}]), False); "
         "assert 'torch' not in sys.modules, 'torch imported'"
     )

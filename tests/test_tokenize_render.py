@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from router.tokenize import Tokenizer
+from router.intake.tokenize import Tokenizer
 
 ASSETS = Path(__file__).resolve().parent.parent / "configs/assets"
 PIECES = ["hello", " ", "\n", "{{ x }}", "{% if %}", "<|im_start|>", "<|eot_id|>", "ünï", "'q'", '"d"', "\t", "  a  "]

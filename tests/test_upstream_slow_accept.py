@@ -1,4 +1,4 @@
-"""A worker slow to accept a connection is overloaded, not failing (router/proxy.py).
+"""A worker slow to accept a connection is overloaded, not failing (router/upstream/proxy.py).
 
 Before, aiohttp's connect timeout surfaced as "no response within 30 s" (the header
 window's message) and counted toward the worker's circuit breaker."""
@@ -9,7 +9,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from router.proxy import UpstreamError, post
+from router.upstream.proxy import UpstreamError, post
 
 
 class _SlowAccept:
@@ -42,8 +42,8 @@ async def test_idle_connections_expire_before_a_workers_server_closes_them() -> 
     connections sooner (both of its clients)."""
     from test_gateway_errors import _cfg
 
-    from router import upstream
     from router.server import running_gateway
+    from router.upstream import http1 as upstream
 
     async with running_gateway(_cfg(), ready_timeout=None) as (gw, _url):
         conn = gw.session.connector
@@ -52,15 +52,15 @@ async def test_idle_connections_expire_before_a_workers_server_closes_them() -> 
 
 
 async def test_the_lean_clients_connect_timeout_is_not_worker_trouble() -> None:
-    """Streams to plain-http workers connect through router/upstream.py: a worker too busy
+    """Streams to plain-http workers connect through router/upstream/http1.py: a worker too busy
     to accept (its listen backlog full, so further SYNs are dropped) fails the attempt as
     `connect_timeout` there too; it said "unreachable: TimeoutError" and opened breakers
     under a burst."""
     import socket
     from types import SimpleNamespace
 
-    from router.exchange import _connect
-    from router.upstream import UpstreamPool
+    from router.upstream.exchange import _connect
+    from router.upstream.http1 import UpstreamPool
 
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))

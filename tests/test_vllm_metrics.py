@@ -1,4 +1,4 @@
-"""The gateway reads a vLLM server's load by name from its `/metrics` text (router/vllm_load.py).
+"""The gateway reads a vLLM server's load by name from its `/metrics` text (router/fleet/vllm_load.py).
 
 The reference is prometheus_client's full parser over a real server's exposition
 (tests/data/vllm/metrics-0.32.0.txt) and over made-up texts with the details a reader
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.vllm_load import VllmLoad, parse_vllm_metrics
+from router.fleet.vllm_load import VllmLoad, parse_vllm_metrics
 
 DATA = Path(__file__).parent / "data" / "vllm" / "metrics-0.32.0.txt"
 

@@ -29,8 +29,8 @@ from test_gateway_errors import wait_until
 
 from kvindex.events import BlockStored, EventDecoder
 from router.config import build_config
-from router.observe import predicted_cached_tokens
 from router.server import running_gateway
+from router.telemetry.observe import predicted_cached_tokens
 
 pytestmark = pytest.mark.slow
 

@@ -1,5 +1,5 @@
 """The simulated worker's tokenizer: the model's Hugging Face tokenizer folder, applied as
-the gateway applies it (router/tokenize.py, met on the wire only), so a client or a peer
+the gateway applies it (router/intake/tokenize.py, met on the wire only), so a client or a peer
 router that sends text or chat to a simulated fleet gets the gateway's token ids, hence
 the same block keys and token counts.
 

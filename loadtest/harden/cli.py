@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..cliargs import out_dir
 from . import report
 from .outcome import CaseResult
 from .runner import CASES, SIZES, Settings, env_summary, run_suite
@@ -21,7 +22,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="small: every case, a few minutes (CI); full: the sizes docs/harden.md reports")
     p.add_argument("--cases", default=None, help="comma list of cases to run (default: all); `list` lists them")
     p.add_argument("--skip", default=None, help="comma list of cases not to run")
-    p.add_argument("--out", default=None, help="output folder (default: runs/harden-<time>/)")
+    p.add_argument("--out", default=None, help="output folder, new or empty (default: a new kvroute-harden-* "
+                                               "folder in the system's temporary directory)")
     p.add_argument("--python", default=sys.executable, help="interpreter for the gateway and workers")
     p.add_argument("--code-root", default=None,
                    help="run the gateway and workers from this checkout (default: this one)")
@@ -59,7 +61,11 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    out = Path(args.out) if args.out else Path("runs") / f"harden-{time.strftime('%Y%m%d-%H%M%S')}"
+    try:
+        out = out_dir(args.out, "harden")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     st = Settings(size=args.size, out=out, python=args.python,
                   code_root=Path(args.code_root).resolve() if args.code_root else Settings().code_root)
     t0 = time.monotonic()

@@ -1,4 +1,4 @@
-"""How busy this machine is, for timing bounds that must hold on a loaded one.
+"""How busy the machine running the suite is, for timing bounds that must hold on a loaded one.
 
 A wall-clock bound measured on an idle machine breaks on a busy one (CI runners, a
 laptop compiling): the suite's budgets and its timing checks are scaled by the load

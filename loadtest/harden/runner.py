@@ -13,6 +13,7 @@ import asyncio
 import os
 import secrets
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Awaitable, Callable
@@ -58,7 +59,8 @@ def case(name: str, summary: str, small_s: float = 60.0, full_s: float = 600.0
 @dataclass
 class Settings:
     size: str = "small"
-    out: Path = field(default_factory=lambda: Path("runs") / f"harden-{time.strftime('%Y%m%d-%H%M%S')}")
+    out: Path = field(default_factory=lambda: Path(tempfile.gettempdir())
+                      / f"kvroute-harden-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
     python: str = sys.executable
     code_root: Path = REPO
     pool_fields: list[str] = field(default_factory=list)
@@ -190,7 +192,7 @@ class Ctx:
                    label: str = "", count: bool = True, **kw: Any) -> Outcome:
         """Send one request, judge it (outcome.classify) and count it in the table."""
         spec = spec or Spec()
-        timeout *= self.stretch  # a request's deadline, on this machine now
+        timeout *= self.stretch  # a request's deadline, on the machine running the suite, now
         if spec.tenant_facing:
             spec.secrets = tuple(sorted(set(spec.secrets) | self.secrets))
         host, port = _host_port(base)

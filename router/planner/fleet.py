@@ -2,7 +2,7 @@
 
 A worker's `WorkerView` joins its last `/load` report with the router's own in-flight
 ledger; the prefetch plan says which blocks to raise before the request arrives. The
-gateway (router/pool.py, router/gateway.py) and the offline simulator
+gateway (router/fleet/pool.py, router/gateway.py) and the offline simulator
 (loadtest/router_model.py) both run exactly this code, so what the simulator measures
 is what the gateway does. Pure: callers pass the clock.
 """

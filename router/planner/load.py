@@ -101,7 +101,7 @@ def free_blocks_after_queue(w: WorkerView) -> int:
     next poll; requests routed meanwhile would all see the same "most room" worker. This
     charges what is already headed there, as SGLang's router grows a worker's tree the
     moment it routes to it. A vLLM worker without `cache_config_info` reports free
-    blocks on a per-10k scale (router/pool.py); the queued blocks then weigh more or less
+    blocks on a per-10k scale (router/fleet/pool.py); the queued blocks then weigh more or less
     than real ones, by the ratio of its true capacity to 10k."""
     queued = queued_prefill_tokens(w)
     if queued <= 0:

@@ -3,7 +3,7 @@
     .venv/bin/python -m workers.engine.calibration [--threads 1] [--reps 5]
 
 prints the `compute`, `cpu` and `disk` numbers of the profile, fitted to the sim's formulas
-(workers/sim/profile.py) from this engine's own timings on this machine:
+(workers/sim/profile.py) from this engine's own timings on the machine it runs on:
 
 - prefill: chunks of `n` new tokens after `c` cached ones, timed as the engine runs them
   (`ModelRunner.prefill` on free pool blocks, as `EngineCore.calibrate` does), the minimum

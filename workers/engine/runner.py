@@ -3,7 +3,7 @@
 A step runs each prefill chunk as its own forward (batch 1, no padding: a chunk's length
 is the budget's business) and every one-token sequence (decodes, and prompts cached up
 to their last token) as one batched forward, rows left-padded to the longest context
-with an attention mask and explicit positions. Measured here (CPU, tiny model): padding
+with an attention mask and explicit positions. Measured on a 2-core CPU host (tiny model): padding
 costs little next to one forward per sequence, and the results equal each sequence run
 alone to ~1e-5 (tests/test_engine_core.py).
 

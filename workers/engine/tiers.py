@@ -50,7 +50,7 @@ from .writer import Writer
 
 __all__ = ["KVTiers", "TierConfig"]
 
-# Until a link has moved anything, /load reports these (this 2-core CPU machine's orders
+# Until a link has moved anything, /load reports these (a 2-core CPU host's orders
 # of magnitude; replaced by the link's own measurements after its first transfer).
 PRIORS: dict[Tier, tuple[float, float]] = {
     Tier.CPU: (5.0e9, 1.0e-4),

@@ -1,0 +1,1 @@
+"""The HTTP side of the gateway: the ASGI app, OpenAI and admin routes, request and response shapes."""

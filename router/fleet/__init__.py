@@ -1,0 +1,1 @@
+"""The workers the gateway routes to: registration, identity, health, breakers, load, discovery."""

@@ -1,0 +1,1 @@
+"""What the gateway reports: metrics, logs, traces, recordings, key fidelity, calibration feed."""
