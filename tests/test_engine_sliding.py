@@ -5,7 +5,9 @@ last logits of a plain transformers forward (whose own cache keeps only the wind
 chunked prefill, in a left-padded decode batch of mixed lengths, and for a 31-block prefix
 loaded from GPU, CPU, DISK and REMOTE; the window really changes the output (the same
 weights without it answer otherwise); the KV events name each block once per KV group with
-the group's kind and window, as vLLM publishes them."""
+the group's kind and window, as vLLM publishes them; only the window's blocks stay referenced
+when every layer is windowed, and a prefix hit then needs only them (vLLM's rule, which the
+gateway's index applies to these events and credits the same)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -18,6 +20,8 @@ from test_engine_lora import run
 from test_engine_tiers import _redis, below_cpu, make_core, prompt, to_cpu
 
 from kvindex.events import BlockRemoved, BlockStored
+from kvindex.index import PrefixIndex
+from kvindex.keys import digests64
 from kvindex.tiers import Tier
 from workers.engine.core import EngineCore
 from workers.engine.engineconfig import EngineConfig
@@ -167,7 +171,8 @@ def test_only_the_window_stays_referenced(lm: LoadedModel) -> None:
 def test_a_windowed_prefix_hit_needs_only_the_blocks_before_its_end(lm: LoadedModel) -> None:
     """Every layer windowed: a prefix whose first 20 blocks were evicted is still a hit, since
     the next token attends only to the last ceil(39 / 16) = 3 blocks (vLLM's rule); with
-    full-attention layers (hybrid) the same prefix is a miss."""
+    full-attention layers (hybrid) the same prefix is a miss. kvindex's PrefixIndex, fed the
+    engine's group events, credits exactly that."""
     core = EngineCore(lm, EngineConfig(num_blocks=96, max_num_batched_tokens=512, max_waiting=16))
     run(core, [("warm", BASE, None)])
     keys = core.new_sequence("k", IDS, SamplingParams()).keys
@@ -177,9 +182,15 @@ def test_a_windowed_prefix_hit_needs_only_the_blocks_before_its_end(lm: LoadedMo
             blocks.cached.move_to_end(blocks.by_key[k], last=False)
         assert blocks.evict_cached(20) == 20
         assert not any(k in blocks.by_key for k in keys[:20]) and all(k in blocks.by_key for k in keys[20:31])
+    # the gateway's index, fed this engine's events, credits what the engine will reuse
+    index = PrefixIndex(block_size=16)
+    index.add_worker("w", core.namespace.digest, 16, trusted_digests=True)
+    index.apply("w", _events(core))
+    credited = index.match(digests64(keys), max_blocks=(len(IDS) - 1) // 16).get("w")
     toks, logits, seq = run(core, [("b", IDS, None)])["b"]
     check_exact(lm, IDS, toks, logits)
     if lm.kv.window_only is not None:
         assert seq.usage.cached_tokens == 496 and seq.usage.recomputed_tokens == 37
+        assert credited is not None and credited.blocks == 31
     else:
-        assert seq.usage.cached_tokens == 0
+        assert seq.usage.cached_tokens == 0 and credited is None
