@@ -289,3 +289,18 @@ def test_lora_flag() -> None:
     assert a.loras == ["a1=/x", "b=/y"] and check_arguments(a) is None
     for bad in (["--lora", "a1"], ["--lora", "=/x"], ["--lora", "a b=/x"], ["--lora", "a=/x", "--lora", "a=/y"]):
         assert check_arguments(ap.parse_args(["--port", "0", *bad])) is not None
+
+
+def test_lora_flag_builds_an_engine_serving_the_adapter(models: tuple[LoadedModel, LoadedModel, dict[str, Path]],
+                                                        tmp_path: Path) -> None:
+    from workers.engine.server import build_engine, describe
+
+    base, _, folders = models
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    common = ["--port", "0", "--device", "cpu", "--cache-dir", str(base.folder.parent), "--num-blocks", "16",
+              "--no-calibrate"]
+    engine = build_engine(ap.parse_args([*common, "--lora", f"sql={folders['a1']}"]))
+    assert engine.adapters() == {"sql": base.served_names[0]} and "LoRA adapters sql" in describe(engine)
+    with pytest.raises(ModelError, match="not a LoRA adapter folder"):
+        build_engine(ap.parse_args([*common, "--lora", f"sql={tmp_path}"]))
