@@ -6,10 +6,13 @@ and in a decode batch mixing base and adapter requests; blocks computed under an
 are reused by that adapter only (not by the base model, not by another adapter), also
 when the prefix comes back from CPU, DISK or REMOTE; events carry `lora_name`; the HTTP
 surface lists adapters in `/v1/models` with their parent and answers an unknown one with
-OpenAI's 404; adapter folders the engine cannot apply exactly are refused."""
+OpenAI's 404; the gateway finds the adapter there and routes `model` = adapter to the worker,
+which answers with it and reuses its blocks; `--lora NAME=DIR` on the command line; adapter
+folders the engine cannot apply exactly are refused."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import copy
 import json
 import time
@@ -304,3 +307,51 @@ def test_lora_flag_builds_an_engine_serving_the_adapter(models: tuple[LoadedMode
     assert engine.adapters() == {"sql": base.served_names[0]} and "LoRA adapters sql" in describe(engine)
     with pytest.raises(ModelError, match="not a LoRA adapter folder"):
         build_engine(ap.parse_args([*common, "--lora", f"sql={tmp_path}"]))
+
+
+async def test_an_adapter_through_the_gateway(models: tuple[LoadedModel, LoadedModel, dict[str, Path]],
+                                              refs: dict[str | None, Any]) -> None:
+    """The gateway finds the adapter in the worker's /v1/models, sends `model` = the adapter
+    to it, and the engine answers with the adapter; a repeat reuses the adapter's blocks,
+    the base model does not."""
+    import openai
+
+    from router.config import build_config
+    from router.server import running_gateway
+
+    _, lm, _ = models
+    engine = TorchEngine(EngineCore(lm, EngineConfig(num_blocks=64, max_num_batched_tokens=256, max_waiting=8)),
+                         calibrate=False)
+    w = EngineWorker(engine, ServeOptions())
+    await w.start()
+    repo = Path(__file__).resolve().parent.parent
+    cfg = build_config({
+        "models": [{"id": lm.model_id, "tokenizer": "assets/tiny-tokenizer", "profile": "tiny-cpu"}],
+        "workers": [{"id": "w0", "url": w.url, "model": lm.model_id, "kind": "kvroute"}],
+        "pool": {"load_poll_interval_s": 0.05, "health_interval_s": 0.1, "probe_timeout_s": 2.0},
+    }, repo / "configs", environ={})
+    ids = prompt(10, 70)
+    try:
+        async with running_gateway(cfg, ready_timeout=20.0) as (gw, url):
+            deadline = time.monotonic() + 20
+            while "a1" not in gw.models.get(lm.model_id).adapters:
+                assert time.monotonic() < deadline, "the gateway did not list the adapter"
+                await asyncio.sleep(0.05)
+            c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=30)
+            try:
+                assert "a1" in [m.id for m in (await c.models.list()).data]
+                want = lm.tokenizer.decode(reference(refs["a1"], ids, 5)[0])
+                cached = []
+                for model in ("a1", "a1", lm.model_id):
+                    r = await c.completions.create(model=model, prompt=ids, max_tokens=5, temperature=0,
+                                                   extra_body={"ignore_eos": True})
+                    assert r.model == model
+                    if model == "a1":
+                        assert r.choices[0].text == want
+                    details = r.usage.prompt_tokens_details if r.usage is not None else None
+                    cached.append(details.cached_tokens if details is not None else None)
+                assert cached == [0, 64, 0]
+            finally:
+                await c.close()
+    finally:
+        await w.stop()
