@@ -126,3 +126,37 @@ async def test_a_repeated_prompt_goes_to_the_sglang_worker_holding_it() -> None:
             sent = fakes["s1"].completions[-1]
             assert sent["prompt"] == prompt and sent["regex"] == "[a-z]+"  # SGLang's own field, forwarded
             assert not fakes["s0"].completions
+
+
+def test_cached_tokens_of_a_page_granular_engine_are_checked_per_index_block() -> None:
+    """SGLang (with `--enable-cache-report`) reports cached tokens at page granularity (one
+    token by default), the index in whole blocks: less than a block apart is rounding; an
+    engine that keeps reporting less than the index holds is flagged mis-keyed."""
+    from types import SimpleNamespace
+
+    from kvindex.events import EventDecoder
+    from kvindex.index import PrefixIndex
+    from kvindex.keys import BlockHasher, Namespace, digests64
+    from router.telemetry.fidelity import WINDOW, KeyFidelity
+    from router.telemetry.metrics import GatewayMetrics
+    from router.telemetry.observe import Observer
+
+    ns = Namespace("m", block_size=16)
+    index = PrefixIndex(16)
+    index.add_worker("s", ns.digest, 1)
+    prompt = list(range(1000, 1150))  # 150 tokens: 9 whole blocks and 6 tokens
+    index.apply("s", EventDecoder().decode(encode_batch(stored_pages(prompt, 1, coalesce=True))))
+    ds = digests64(BlockHasher(ns.digest, 16).keys(prompt))
+    obs = Observer(SimpleNamespace(), GatewayMetrics(), None, KeyFidelity())  # type: ignore[arg-type]
+    prep = SimpleNamespace(ids=prompt, plan=SimpleNamespace(digests=ds, vllm_digests=None),
+                           model=SimpleNamespace(block_size=16, index=index))
+    a = SimpleNamespace(prep=prep, worker=SimpleNamespace(id="s", kind="sglang", block_size=1))
+    match = index.match(ds)["s"]
+    assert match.blocks == 9
+    for _ in range(WINDOW):  # SGLang served 149 of 150 tokens from cache; the index knows 144
+        obs._fidelity(a, SimpleNamespace(prompt_tokens=150, cached_tokens=149), match)  # type: ignore[arg-type]
+    wf = obs.fidelity.workers["s"]
+    assert wf.cached_mismatches == 0 and not wf.mis_keyed
+    for _ in range(WINDOW):  # it reports nothing cached while the index says 144: mis-keyed
+        obs._fidelity(a, SimpleNamespace(prompt_tokens=150, cached_tokens=0), match)  # type: ignore[arg-type]
+    assert wf.cached_mismatches == WINDOW and wf.mis_keyed
