@@ -18,8 +18,11 @@ chain again. A block is credited when its last page is stored; a page of the blo
 stored in a tier later than the block's last page is credited at the next store of
 that last page (the engine stores a chain parent first, so this is rare).
 
-Memory is bounded by `max_pages` pages per worker; past it the least recently stored
-page is forgotten (and what it was part of is no longer credited).
+Memory is bounded by `max_pages` pages per worker (about 300 bytes each). Past it a
+page is forgotten, and the blocks it was part of are no longer credited: the least
+recently stored page among those no remembered page names as its parent (a leaf, as the
+engine's own radix cache evicts), so a prefix that later chains still hang from is kept
+while any of them is.
 """
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ Changed = Callable[[int, int], None]  # told (bit, +n) / (bit, -n) of index entr
 class _Page:
     """One page the worker holds (in at least one tier)."""
 
-    __slots__ = ("parent", "depth", "tokens", "tiers", "key", "digest", "credited", "ends")
+    __slots__ = ("parent", "depth", "tokens", "tiers", "key", "digest", "credited", "ends", "kids")
 
     def __init__(self, parent: Any, depth: int, tokens: bytes) -> None:
         self.parent = parent
@@ -47,6 +50,7 @@ class _Page:
         self.digest = 0
         self.credited = 0  # bits its block is credited with in the index (last pages only)
         self.ends: list[Any] | None = None  # last pages of the credited blocks containing it
+        self.kids = 0  # remembered pages that name it as their parent
 
 
 class PageChain:
@@ -64,6 +68,7 @@ class PageChain:
         self.hasher = hasher
         self.max_pages = max_pages
         self.pages: dict[Any, _Page] = {}
+        self.leaves: dict[Any, None] = {}  # pages without remembered children, least recently stored first
         self._refs: dict[tuple[int, int], int] = {}  # (digest, bit) -> last pages crediting it
         self.evicted = 0
 
@@ -72,6 +77,7 @@ class PageChain:
 
     def clear(self) -> None:
         self.pages.clear()
+        self.leaves.clear()
         self._refs.clear()
 
     # ------------------------------------------------------------------ stored
@@ -97,10 +103,12 @@ class PageChain:
         placed = 0
         for i, h in enumerate(hashes):
             node = pages.get(h)
-            if node is not None:  # stored again (another tier, or a repeat): most recent now
-                del pages[h]
-                pages[h] = node
+            if node is not None:  # stored again (another tier, or a repeat)
+                if h in self.leaves:
+                    del self.leaves[h]
+                    self.leaves[h] = None  # the most recent leaf now
             else:
+                pn = None
                 if parent is None:
                     depth = 0
                 else:
@@ -110,8 +118,15 @@ class PageChain:
                     depth = pn.depth + 1
                 node = _Page(parent, depth, tokens[i * step : (i + 1) * step])
                 pages[h] = node
+                self.leaves[h] = None
+                if pn is not None:
+                    pn.kids += 1
+                    if pn.kids == 1:
+                        self.leaves.pop(parent, None)
                 if len(pages) > self.max_pages:
-                    self._evict_oldest(blocks, changed)
+                    self._evict_one(blocks, changed)
+                    if h not in pages:  # it was the only leaf: the chain cannot grow past the bound
+                        return placed, len(hashes) - i - 1
             node.tiers |= bit
             placed += 1
             if (node.depth + 1) % self.per_block == 0:
@@ -187,8 +202,17 @@ class PageChain:
             node.tiers &= ~bit
             self._uncredit_containing(blocks, h, node, bit, changed)
             if not node.tiers:
-                del pages[h]
+                self._forget(h, node)
         return known, unknown
+
+    def _forget(self, h: Any, node: _Page) -> None:
+        del self.pages[h]
+        self.leaves.pop(h, None)
+        pn = self.pages.get(node.parent)
+        if pn is not None and pn.kids > 0:
+            pn.kids -= 1
+            if not pn.kids:
+                self.leaves[node.parent] = None
 
     def _uncredit_containing(self, blocks: BlockMap, h: Any, node: _Page, bits: int, changed: Changed) -> None:
         if node.credited & bits:
@@ -212,9 +236,11 @@ class PageChain:
                 self._refs.pop(key, None)
                 changed(bit, -blocks.clear_bits([end.digest], bit))
 
-    def _evict_oldest(self, blocks: BlockMap, changed: Changed) -> None:
-        h = next(iter(self.pages))
-        node = self.pages.pop(h)
+    def _evict_one(self, blocks: BlockMap, changed: Changed) -> None:
+        """Forget the least recently stored leaf (any page, should no leaf be left)."""
+        h = next(iter(self.leaves)) if self.leaves else next(iter(self.pages))
+        node = self.pages[h]
+        self._forget(h, node)
         self.evicted += 1
         every = -1  # every tier bit
         self._uncredit_containing(blocks, h, node, every, changed)

@@ -168,6 +168,22 @@ def test_memory_is_bounded_and_eviction_only_drops_credit() -> None:
     assert idx.local_blocks("sg") == 2
 
 
+def test_the_bound_forgets_leaves_first_and_keeps_a_shared_prefix() -> None:
+    """As the engine's radix cache evicts: a prefix later chains hang from is kept."""
+    idx = _index(16, 1, max_pages=40)
+    root = _toks(16, seed=8)
+    a, b = root + _toks(16, seed=9), root + _toks(16, seed=10)
+    _feed(idx, stored_pages(a, 1))
+    _feed(idx, stored_pages(b[16:], 1, page_hashes(root, 1)[-1]))  # 48 pages: 8 of a's tail go
+    assert _held(idx, b) == 2 and _held(idx, a) == 1
+    assert idx.worker_stats()[0].pages_evicted == 8
+    # one chain longer than the bound: its tail is not placed, its head stays
+    idx2 = _index(16, 1, max_pages=40)
+    long = _toks(64, seed=11)
+    _feed(idx2, stored_pages(long, 1, coalesce=True))
+    assert _held(idx2, long) == 2 and len(idx2._slots.workers["sg"].pages) == 40
+
+
 def test_partial_and_malformed_pages() -> None:
     idx = _index(16, 8)
     tokens = _toks(20)
