@@ -68,12 +68,18 @@ def test_sglang_metrics_give_queue_and_pool() -> None:
 
 def test_sglang_config() -> None:
     wc = WorkerConfig(id="s", url="http://10.0.0.5:30000", kind="sglang", data_parallel_size=2,
-                      events={"endpoint": "tcp://10.0.0.5:5557", "topic": ""})
+                      events={"endpoint": "tcp://10.0.0.5:5557"})
     assert wc.block_size == 1  # SGLang's default --page-size
     ranks = expand_ranks(wc)
     assert [r.events.endpoint for r in ranks if r.events] == ["tcp://10.0.0.5:5557", "tcp://10.0.0.5:5558"]
     assert [rank_headers(r) for r in ranks] == [{RANK_HEADER: "0"}, {RANK_HEADER: "1"}]
     assert WorkerConfig(id="s", url="http://h:1", kind="sglang", block_size=64).block_size == 64
+    # SGLang publishes under an empty topic unless told otherwise: subscribe to every topic
+    assert [r.events.topic for r in ranks if r.events] == ["", ""]
+    named = WorkerConfig(id="s", url="http://h:1", kind="sglang", events={"endpoint": "tcp://h:5", "topic": "kv"})
+    assert named.events is not None and named.events.topic == "kv"
+    vllm = WorkerConfig(id="v", url="http://h:1", kind="vllm", events={"endpoint": "tcp://h:5"})
+    assert vllm.events is not None and vllm.events.topic == "kv" and vllm.block_size is None
     with pytest.raises(pydantic.ValidationError, match="vllm or sglang"):
         WorkerConfig(id="k", url="http://h:1", kind="kvroute", data_parallel_size=2)
 
@@ -93,7 +99,7 @@ async def test_a_repeated_prompt_goes_to_the_sglang_worker_holding_it() -> None:
     async with serve_fake(fakes["s0"]), serve_fake(fakes["s1"]):
         cfg = _cfg()
         cfg.workers = [WorkerConfig(id=w, url=f.url, kind="sglang", model=MODEL,
-                                    events={"endpoint": f"tcp://127.0.0.1:{ports[w]}", "bind": True, "topic": ""},
+                                    events={"endpoint": f"tcp://127.0.0.1:{ports[w]}", "bind": True},
                                     cost={"prefill_tokens_per_s": 2000.0, "prefill_overhead_s": 0.001})
                        for w, f in fakes.items()]
         async with fleet([], cfg) as (gw, url):

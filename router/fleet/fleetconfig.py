@@ -142,8 +142,12 @@ class WorkerConfig(Strict):
 
     @model_validator(mode="after")
     def _ranks(self) -> WorkerConfig:
-        if self.kind == "sglang" and self.block_size is None:
-            self.block_size = SGLANG_PAGE_SIZE
+        if self.kind == "sglang":
+            if self.block_size is None:
+                self.block_size = SGLANG_PAGE_SIZE
+            if self.events is not None and "topic" not in self.events.model_fields_set:
+                # SGLang's default topic is empty; an empty subscription takes every topic
+                self.events = self.events.model_copy(update={"topic": ""})
         if self.data_parallel_rank is not None and self.data_parallel_rank >= self.data_parallel_size:
             raise ValueError(f"data_parallel_rank {self.data_parallel_rank} is not below data_parallel_size "
                              f"{self.data_parallel_size}")
