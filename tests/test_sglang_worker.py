@@ -168,3 +168,18 @@ def test_cached_tokens_of_a_page_granular_engine_are_checked_per_index_block() -
     for _ in range(WINDOW):
         obs._fidelity(a, SimpleNamespace(prompt_tokens=150, cached_tokens=16), match)  # type: ignore[arg-type]
     assert wf.cached_mismatches == WINDOW and wf.mis_keyed
+
+
+async def test_a_field_our_engines_lack_goes_only_to_the_sglang_worker() -> None:
+    """In a mixed fleet, a request with a field our engines do not implement is a pass-through
+    request: it goes to the SGLang worker (as to a vLLM one), never a 400."""
+    ours = FakeWorker("k0", DIGEST)
+    sg = FakeWorker("s0", DIGEST, kind="sglang")
+    async with fleet([ours, sg]) as (gw, url):
+        await wait_until(lambda: len(gw.pool.routable(MODEL)) == 2, 10.0, "both workers registered")
+        c = client(url)
+        for _ in range(4):
+            raw = await c.completions.with_raw_response.create(model=MODEL, prompt="Hello there", max_tokens=1,
+                                                               extra_body={"response_format": {"type": "json_object"}})
+            assert raw.headers["x-kvroute-worker"] == "s0"
+        assert sg.completions[-1]["response_format"] == {"type": "json_object"} and not ours.completions
