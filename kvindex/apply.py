@@ -16,7 +16,7 @@ from .events import AllBlocksCleared, BlockRemoved, BlockStored, EventDecodeErro
 from .group_apply import GroupApplier, extras_with_skipped
 from .groups import FULL_KINDS
 from .keys import ROOT_KEY, digests64, tokens_to_bytes
-from .page_chain import page_tokens
+from .page_chain import page_tokens, unchained_hash
 from .slots import REMOTE, SlotTable, WorkerSlot
 from .stats import ApplyStats
 from .tiers import Tier, tier_of_medium
@@ -308,6 +308,14 @@ class EventApplier:
         buf = page_tokens(ev.token_ids, n, pages.page_size)
         if buf is None:
             st.bad_events += 1
+            return 0
+        if not pages.unchained and ev.parent_block_hash is None and unchained_hash(hashes[0], ev.token_ids, pages):
+            # a release whose page hashes do not depend on the position (kvindex/page_chain.py):
+            # its pages cannot be placed, so nothing it stored is credited
+            self._clear_worker(w.worker_id)
+            pages.unchained = True
+        if pages.unchained:
+            st.unchained_pages += n
             return 0
         extra: tuple[Any, ...] | None = None
         if ev.lora_name:

@@ -18,6 +18,15 @@ chain again. A block is credited when its last page is stored; a page of the blo
 stored in a tier later than the block's last page is credited at the next store of
 that last page (the engine stores a chain parent first, so this is rare).
 
+Some SGLang releases name a page by a hash of its own tokens only (the same tokens give
+the same hash at any position) and give the first page of every radix node no parent, so
+a node that continues another looks like a chain root. Such a stream cannot be placed:
+keyed as roots, those pages would be credited as the start of prompts they never began.
+A worker whose chain-root page carries exactly that hash (Python's hash of the tuple of
+its tokens, what those releases publish) is credited nothing (`unchained_pages`).
+A page stored again under another parent than the one it was placed under is ambiguous
+the same way: it and the pages after it in its event are not placed (`orphans`).
+
 Memory is bounded by `max_pages` pages per worker (about 300 bytes each). Past it a
 page is forgotten, and the blocks it was part of are no longer credited: the least
 recently stored page among those no remembered page names as its parent (a leaf, as the
@@ -71,6 +80,7 @@ class PageChain:
         self.leaves: dict[Any, None] = {}  # pages without remembered children, least recently stored first
         self._refs: dict[tuple[int, int], int] = {}  # (digest, bit) -> last pages crediting it
         self.evicted = 0
+        self.unchained = False  # its page hashes do not depend on the position: nothing placed
 
     def __len__(self) -> int:
         return len(self.pages)
@@ -104,6 +114,8 @@ class PageChain:
         for i, h in enumerate(hashes):
             node = pages.get(h)
             if node is not None:  # stored again (another tier, or a repeat)
+                if node.parent != parent:  # the same hash elsewhere in the tree: ambiguous
+                    return placed, len(hashes) - i
                 if h in self.leaves:
                     del self.leaves[h]
                     self.leaves[h] = None  # the most recent leaf now
@@ -254,3 +266,12 @@ def page_tokens(tokens: Any, n: int, page_size: int) -> bytes | None:
         return tokens_to_bytes(tokens)
     except (OverflowError, TypeError, ValueError):
         return None
+
+
+def unchained_hash(h: Any, tokens: Any, pages: PageChain) -> bool:
+    """The first page's hash is the hash of its tokens alone (a release whose page hashes
+    do not chain: see the module doc)."""
+    try:
+        return type(h) is int and h == hash(tuple(tokens[: pages.page_size]))
+    except TypeError:
+        return False

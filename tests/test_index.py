@@ -198,6 +198,8 @@ def test_worker_stats_sum_every_counter_of_every_batch(monkeypatch):
         "d": [  # pages outgrowing its bound, and a page shorter than the others
             [BlockStored([11, 12, 13], None, t[: 3 * BS // 2], BS // 2, None, "GPU", None),
              BlockStored([14], 13, t[3 * BS // 2 : 3 * BS // 2 + 1], 1, None, "GPU", None)],
+            # a release whose page hashes are its tokens' hash alone: nothing of it is credited
+            [BlockStored([hash(tuple(t[: BS // 2]))], None, t[: BS // 2], BS // 2, None, "GPU", None)],
         ],
     }
     seen = ApplyStats()

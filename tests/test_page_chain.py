@@ -14,6 +14,7 @@ from kvindex.keys import BlockHasher, Namespace, digests64
 from kvindex.tiers import Tier
 from tests.sglang_fixtures import (
     SgAllBlocksCleared,
+    SgBlockStored,
     encode_batch,
     page_hashes,
     removed_pages,
@@ -182,6 +183,41 @@ def test_the_bound_forgets_leaves_first_and_keeps_a_shared_prefix() -> None:
     long = _toks(64, seed=11)
     _feed(idx2, stored_pages(long, 1, coalesce=True))
     assert _held(idx2, long) == 2 and len(idx2._slots.workers["sg"].pages) == 40
+
+
+def test_a_release_whose_page_hashes_do_not_chain_is_never_credited() -> None:
+    """Some SGLang releases hash a page's tokens alone and give every radix node's first page
+    no parent: a node continuing another would be keyed as the start of a prompt."""
+    idx = _index(16, 1)
+    good = _toks(32, seed=12)
+    _feed(idx, stored_pages(good, 1))
+    assert _held(idx, good) == 2
+    a = _toks(48, seed=13)
+    node1 = [SgBlockStored([hash((t,))], None if i == 0 else hash((a[i - 1],)), [t], 1, None)
+             for i, t in enumerate(a[:16])]
+    node2 = [SgBlockStored([hash((t,))], None if i == 0 else hash((a[16 + i - 1],)), [t], 1, None)
+             for i, t in enumerate(a[16:])]  # its first page says "no parent"
+    _feed(idx, node1 + node2)
+    assert _held(idx, good) == 0 and _held(idx, a) == 0 and _held(idx, a[16:]) == 0
+    assert idx.local_blocks("sg") == 0 and idx.worker_stats()[0].unchained_pages == 48
+    _feed(idx, stored_pages(good, 1))  # and nothing from it later either
+    assert _held(idx, good) == 0
+
+
+def test_a_page_hash_seen_under_another_parent_is_not_placed() -> None:
+    idx = _index(16, 1)
+    a = _toks(32, seed=14)
+    evs = stored_pages(a, 1)
+    _feed(idx, evs[:16])
+    assert _held(idx, a) == 1
+    # page 5's hash again, now claiming page 9 as its parent, with two more pages after it
+    clash = SgBlockStored([evs[5].block_hashes[0], 111, 222], evs[9].block_hashes[0], a[5:8], 1, None)
+    _feed(idx, [clash])
+    pages = idx._slots.workers["sg"].pages
+    assert pages is not None and idx.worker_stats()[0].orphans == 3 and 111 not in pages.pages
+    assert pages.pages[evs[5].block_hashes[0]].parent == evs[4].block_hashes[0]  # left as it was
+    _feed(idx, evs[16:])
+    assert _held(idx, a) == 2
 
 
 def test_partial_and_malformed_pages() -> None:
