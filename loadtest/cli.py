@@ -23,7 +23,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .cliargs import add_judge_arg, add_trace_args, delay, load_trace, out_dir, policy_params, trace_notes
+from .cliargs import (
+    add_judge_arg,
+    add_trace_args,
+    delay,
+    load_trace,
+    out_dir,
+    pd_split,
+    policy_params,
+    positive_float,
+    trace_notes,
+)
 from .trace import TraceError
 
 OUT_HELP = ("a new or empty folder for the results and report (one holding anything is refused); "
@@ -67,12 +77,15 @@ def _sim_settings(args: argparse.Namespace, tiers: str) -> Any:
     from .simulate import SimSettings
 
     return SimSettings(
-        fleet=FleetSpec(workers=args.workers, profile=args.profile, tiers=tiers, block_size=args.block_size,
-                        remote_groups=args.remote_groups, max_waiting=args.max_waiting),
+        fleet=FleetSpec(workers=sum(args.pd) if args.pd else args.workers, profile=args.profile, tiers=tiers,
+                        block_size=args.block_size, remote_groups=args.remote_groups, max_waiting=args.max_waiting,
+                        pd=args.pd, pd_link_Bps=args.pd_link_gbps * 1e9 if args.pd_link_gbps else None),
         router=_router_settings(args),
         speed=args.speed,
         vocab_size=args.vocab_size,
         seed=args.seed,
+        slo_ttft_s=args.slo_ttft,
+        slo_tpot_s=args.slo_tpot,
     )
 
 
@@ -115,6 +128,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         holdout_table,
         latency_table,
         prediction_table,
+        serving_table,
         slowdown_table,
         summaries,
         write_report,
@@ -130,6 +144,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         raise TraceError(f"unknown policy {bad or args.policies!r}; choose from {', '.join(POLICY_NAMES)}")
     if args.load_policy not in POLICY_NAMES:
         raise TraceError(f"unknown --load-policy {args.load_policy!r}; choose from {', '.join(POLICY_NAMES)}")
+    if args.pd:
+        args.workers = sum(args.pd)
+        agg = [p for p in policies if not p.startswith("pd_")]
+        if agg:
+            raise TraceError(f"--pd builds a disaggregated fleet: only the pair policies (pd_cost, pd_round_robin, "
+                             f"pd_prefix) route it, not {', '.join(agg)}")
     tier_sets = list(TIER_SWEEP) if args.tier_sweep else [args.tiers]
     for t in tier_sets:
         parse_tiers(t)
@@ -189,7 +209,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             runs = [ideal, *runs]
     sums = summaries(runs)
     notes = trace_notes(trace, speed) + [
-        f"fleet: {args.workers} x {args.profile}, block size {runs[-1].meta.params.get('block_size')}, "
+        f"fleet: {args.workers} x {args.profile}"
+        + (f" ({args.pd[0]} prefill + {args.pd[1]} decode)" if args.pd else "")
+        + f", block size {runs[-1].meta.params.get('block_size')}, "
         f"load poll {args.poll_interval:g} s, event lag {args.event_lag:g} s, prefetch "
         f"{'off' if args.no_prefetch else 'on'}"] + notes
     holdout = _holdout(runs, args.judge_from, out, notes)
@@ -208,6 +230,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if holdout:
         print()
         print(holdout_table(holdout))
+    print()
+    print(serving_table([(s.run, "whole", s) for s in sums if s.mode != "ideal"]
+                        + [(p.run, p.part, p.summary) for p in holdout if p.summary.mode != "ideal"]))
     print(f"\nresults: {res_path}\nreport:  {md}")
     return 0
 
@@ -445,6 +470,17 @@ def _add_fleet_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=None, help="override the profile's block size (e.g. 64)")
     g.add_argument("--remote-groups", type=int, default=1)
     g.add_argument("--max-waiting", type=int, default=None)
+    g.add_argument("--pd", type=pd_split, default=None, metavar="P:D",
+                   help="a disaggregated fleet: P prefill workers and D decode workers (replaces --workers, which "
+                        "means that many aggregated workers); routed by the pair policies pd_cost, pd_round_robin, "
+                        "pd_prefix")
+    g.add_argument("--pd-link-gbps", type=positive_float, default=None, metavar="GB/S",
+                   help="the prefill->decode KV link in GB/s (each decode worker's PEER link; default: the "
+                        "profile's, 25 GB/s for the H200 profiles)")
+    g.add_argument("--slo-ttft", type=positive_float, default=2.0, metavar="S",
+                   help="goodput's TTFT SLO in seconds (default 2)")
+    g.add_argument("--slo-tpot", type=positive_float, default=0.1, metavar="S",
+                   help="goodput's time-per-output-token SLO in seconds (default 0.1)")
     g.add_argument("--poll-interval", type=float, default=0.1, help="load-report poll period (s), as the gateway")
     g.add_argument("--event-lag", type=float, default=0.0, help="KV-event delivery delay (s)")
     g.add_argument("--no-prefetch", action="store_true")

@@ -71,6 +71,18 @@ def positive_float(s: str) -> float:
     return v
 
 
+def pd_split(s: str) -> tuple[int, int]:
+    """`P:D` (prefill and decode workers), each at least 1."""
+    parts = s.split(":")
+    try:
+        p, d = (int(x) for x in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected P:D (prefill:decode workers), got {s!r}") from None
+    if p < 1 or d < 1:
+        raise argparse.ArgumentTypeError(f"P:D needs at least one worker of each role, got {s!r}")
+    return p, d
+
+
 def judge_fraction(s: str) -> float:
     """An argparse type: the share of a run's arrival span fitted on before the judged part
     starts (loadtest/holdout.py), strictly between 0 and 1."""

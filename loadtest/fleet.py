@@ -73,10 +73,28 @@ class FleetSpec:
     block_size: int | None = None  # None: the profile's
     remote_groups: int = 1  # workers are dealt round-robin into this many REMOTE groups
     max_waiting: int | None = None  # None: the profile's
+    # Prefill/decode disaggregation: (prefill workers, decode workers), the first ones
+    # prefill-role, the rest decode-role (their sum is `workers`); None: every worker `both`.
+    pd: tuple[int, int] | None = None
+    # The P->D link's bandwidth (bytes/s): the profile's PEER link read bandwidth, which a
+    # decode worker pulls the prompt's KV over; None: the profile's.
+    pd_link_Bps: float | None = None
+
+    def role(self, i: int) -> str:
+        """The role of the i-th worker."""
+        if self.pd is None:
+            return "both"
+        return "prefill" if i < self.pd[0] else "decode"
 
     def resolved_profile(self) -> SimProfile:
         base = load_profile(self.profile) if isinstance(self.profile, str) else self.profile
+        if self.pd_link_Bps is not None:
+            if not self.pd_link_Bps > 0 or base.peer is None:
+                raise TraceError("pd_link_Bps must be positive, on a profile with a peer link")
+            base = replace(base, peer=replace(base.peer, read_Bps=float(self.pd_link_Bps)))
         p = profile_with_tiers(base, parse_tiers(self.tiers))
+        if self.pd is not None and p.peer is None:
+            raise TraceError("a disaggregated fleet (pd) moves KV over the PEER link: keep `peer` in --tiers")
         if self.block_size is not None and self.block_size != p.block_size:
             if self.block_size <= 0:
                 raise TraceError("block_size must be positive")
@@ -96,6 +114,9 @@ class Fleet:
             raise TraceError("workers must be in 1..1024")
         if spec.remote_groups < 1:
             raise TraceError("remote_groups must be >= 1")
+        if spec.pd is not None and (min(spec.pd) < 1 or sum(spec.pd) != spec.workers):
+            raise TraceError(f"pd {spec.pd[0]}:{spec.pd[1]} needs at least one worker of each role, "
+                             f"{spec.workers} in all")
         self.spec = spec
         self.profile = spec.resolved_profile()
         self.block_size = self.profile.block_size
@@ -117,7 +138,8 @@ class Fleet:
         self._next += 1
         cb = self._on_events(wid) if self._on_events is not None else None
         eng = SimEngine(
-            wid, profile or self.profile, remote=remote, on_events=cb, max_waiting=self.spec.max_waiting
+            wid, profile or self.profile, remote=remote, on_events=cb, max_waiting=self.spec.max_waiting,
+            role=self.spec.role(self._next - 1),
         )
         self.engines[wid] = eng
         return eng

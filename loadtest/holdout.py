@@ -99,7 +99,7 @@ def part_dict(p: PartSummary) -> dict[str, Any]:
     return {
         "first_arrival_s": _num(p.first_s), "last_arrival_s": _num(p.last_s),
         "requests": s.requests, "ok": s.ok, "errors": s.errors, "utilisation": _num(s.utilisation),
-        "ttft_s": _nums(s.ttft), "slowdown": _nums(s.slowdown),
+        "ttft_s": _nums(s.ttft), "tpot_s": _nums(s.tpot), "goodput": _nums(s.goodput), "slowdown": _nums(s.slowdown),
         "pred_requests": s.pred_requests,
         "pred_abs_rel_err": {"p50": _num(s.pred_abs_rel_err_p50), "p90": _num(s.pred_abs_rel_err_p90)},
         "pred_bias_p50": _num(s.pred_bias),

@@ -167,6 +167,19 @@ def baseline_table(sums: Sequence[RunSummary]) -> str:
     )
 
 
+def serving_table(rows_in: Sequence[tuple[str, str, RunSummary]]) -> str:
+    """What serving is judged by (prefill/decode disaggregation): TTFT and TPOT p50 / p99 and
+    goodput (requests within both SLOs: share of all, per second), per run or part."""
+    rows = []
+    for run, part, s in rows_in:
+        g = s.goodput
+        rows.append([run, part, f"{s.ok}/{s.requests}", _ms(s.ttft["p50"]), _ms(s.ttft["p99"]), _ms(s.tpot["p50"]),
+                     _ms(s.tpot["p99"]), _pct(g.get("share", math.nan)), f"{g.get('rps', math.nan):.2f}"])
+    slo = next((r[2].goodput for r in rows_in if r[2].goodput), {})
+    head = f"goodput (TTFT <= {slo.get('slo_ttft_s', math.nan):g} s, TPOT <= {slo.get('slo_tpot_s', math.nan):g} s)"
+    return _table(["run", "part", "ok", "TTFT p50 ms", "p99", "TPOT p50 ms", "p99", head, "good req/s"], rows)
+
+
 def markdown(runs: Sequence[Run], title: str = "kvroute load test", notes: Sequence[str] = (),
              plots: Sequence[str] = (), holdout: Sequence[PartSummary] = ()) -> str:
     sums = summaries(runs)
@@ -191,6 +204,9 @@ def markdown(runs: Sequence[Run], title: str = "kvroute load test", notes: Seque
               "|err| = |actual − predicted| / actual TTFT of the planner's estimate for the worker it chose "
               "(targets: p50 <= 10%, p90 <= 25%); bias = median (predicted − actual) / actual.", "",
               prediction_table(sums)]
+    serving = [(s.run, "whole", s) for s in sums if s.mode != IDEAL]
+    serving += [(p.run, p.part, p.summary) for p in holdout if p.summary.mode != IDEAL]
+    parts += ["", "## TTFT, TPOT and goodput", "", serving_table(serving)]
     if holdout:
         parts += ["", "## Held-out split: fit and judged", "", _HOLDOUT_NOTE, "", holdout_table(holdout)]
     parts += ["", "## Against the baselines (TTFT ratio, < 1 is better)", "", baseline_table(sums)]

@@ -194,6 +194,7 @@ class SimRouter:
             supports_prefetch="prefetch" in caps,
             supports_peer_pull="peer_pull" in caps,
             gpu_block_tokens=info.block_size,
+            role=engine.role,
         )
         self.workers[wid] = _Worker(engine, FleetWorker(view, ledger=InflightLedger(wid)))
         if not self.true_state:

@@ -67,6 +67,29 @@ class RunSummary:
     slowdown: dict[str, float] | None = None
     utilisation: float = float("nan")  # prefill busy fraction of the fleet (module doc)
     pred_requests: int = 0  # requests with a prediction
+    # Requests within the TTFT and TPOT SLOs: share of all, per second, and the SLOs (goodput()).
+    goodput: dict[str, float] = field(default_factory=dict)
+
+
+# Goodput's default SLOs: time to first token within 2 s (Mooncake's prompts are long:
+# the ideal p99 is 5.7 s at 8 x H200) and time per output token within 100 ms (DistServe's
+# chatbot TPOT SLO; a reader keeps up at ~10 tokens/s). `loadtest simulate --slo-ttft/--slo-tpot`
+# change them; a run keeps its own in `meta.params["slo"]`.
+SLO_TTFT_S = 2.0
+SLO_TPOT_S = 0.1
+
+
+def goodput(run: Run, duration_s: float) -> dict[str, float]:
+    """Requests that succeeded within both SLOs (the run's own, else the defaults): their share
+    of all requests, and per second of the run. A one-token answer has no TPOT: its TTFT decides."""
+    slo = run.meta.params.get("slo") if isinstance(run.meta.params, dict) else None
+    ttft_slo = float(slo["ttft_s"]) if isinstance(slo, dict) and "ttft_s" in slo else SLO_TTFT_S
+    tpot_slo = float(slo["tpot_s"]) if isinstance(slo, dict) and "tpot_s" in slo else SLO_TPOT_S
+    good = sum(1 for r in run.results if r.ok and r.ttft_s is not None and r.ttft_s <= ttft_slo
+               and (r.tpot_s is None or r.tpot_s <= tpot_slo))
+    n = len(run.results)
+    return {"share": good / n if n else float("nan"), "rps": good / duration_s if duration_s > 0 else float("nan"),
+            "slo_ttft_s": ttft_slo, "slo_tpot_s": tpot_slo}
 
 
 def _lat(values: list[float]) -> dict[str, float]:
@@ -208,4 +231,5 @@ def summarize(run: Run, ideal: Mapping[int, float] | None = None) -> RunSummary:
         slowdown=slow,
         utilisation=prefill_busy_fraction(run),
         pred_requests=len(rel),
+        goodput=goodput(run, duration),
     )

@@ -55,8 +55,9 @@ from .telemetry.metrics import GatewayMetrics
 from .telemetry.observe import Observer, access
 from .telemetry.recorder import TraceRecorder
 from .telemetry.tracing import RequestTracer
-from .upstream import http1 as upstream
 from .upstream.attempt import Attempt, Out
+from .upstream.client import UpstreamClient
+from .upstream.http1 import MAX_IDLE_S
 from .upstream.passthrough import PassThrough
 from .upstream.prefetch import Prefetch, Prefetcher, prefetch_rule
 from .upstream.proxy import UpstreamError
@@ -102,7 +103,7 @@ class Gateway:
         self.stopping = False  # SIGTERM: not ready, finishing what is in flight
         self.closed = False
         conn = aiohttp.TCPConnector(
-            limit=cfg.pool.max_connections, limit_per_host=0, keepalive_timeout=upstream.MAX_IDLE_S,
+            limit=cfg.pool.max_connections, limit_per_host=0, keepalive_timeout=MAX_IDLE_S,
             enable_cleanup_closed=True,
             resolver=PolicyResolver(network_policy(cfg.admin)),  # names re-checked at each resolution
         )
@@ -121,10 +122,12 @@ class Gateway:
         )
         self.prefetcher = Prefetcher(self.session, prefetch_rule(cfg.routing.prefetch), self.metrics, self.spawn,
                                      cfg.pool.connect_timeout_s)
-        self.relay = Relay(self.session, self.pool, self.observer, cfg.pool)
-        self.pool.probe.upstream = self.relay.upstream  # keep-alive polls, closed with the relay
+        # every route's requests to the workers (chat, completions, pass-through, embeddings)
+        self.upstream = UpstreamClient(self.session, cfg.pool)
+        self.relay = Relay(self.upstream, self.pool, self.observer)
+        self.pool.probe.upstream = self.upstream.lean  # keep-alive polls, closed with the client
         self.pool.network = network_policy(cfg.admin)
-        self.passthrough = PassThrough(self.session, self.pool, self.observer, cfg.pool, self.relay.upstream)
+        self.passthrough = PassThrough(self.upstream, self.pool, self.observer)
         self.membership = Membership(self.pool)
         self.discovery: Discovery | None = None  # with `discovery` entries in the config
         # `kvroute serve --processes N`: admin changes shared with the other processes
@@ -191,7 +194,7 @@ class Gateway:
             await asyncio.gather(*self._bg, return_exceptions=True)
         await self.pool.close()
         await self.ingest.close()
-        self.relay.close()
+        self.upstream.close()
         await self.session.close()
         self.tokenization.close()
         await self.preparer.screener.aclose()

@@ -19,8 +19,8 @@ async def _post(url: str, body: dict[str, Any]) -> int:
 
 async def test_one_refused_request_counts_one_failure() -> None:
     """The admin view's `failures` of a worker whose process is gone: one request that
-    found its connection refused is one failure (router/fleet/pool.py report_failure counted it,
-    then handed it to _health_failed, which counted it again)."""
+    found its connection refused is one failure (router/fleet/pool_health.py report_failure counted it,
+    then handed it to the health check (pool_health.Health.failed), which counted it again)."""
     async with serve_fake(FakeWorker("a", DIGEST)) as doomed:
         url_a = doomed.url
     cfg = _cfg(routing={"policy": "round_robin", "retries": 1},
@@ -29,8 +29,8 @@ async def test_one_refused_request_counts_one_failure() -> None:
         w = gw.pool.add(WorkerConfig(id="a", url=url_a, model=MODEL))
         assert w.task is not None
         w.task.cancel()  # only the request path may find out
-        gw.pool._join(w)
-        gw.pool._set_state(w, type(w.state).HEALTHY, "")
+        gw.pool.roster.join(w)
+        gw.pool.roster.set_state(w, type(w.state).HEALTHY, "")
         for _ in range(2):  # round robin: one of the two reaches a
             assert await _post(url, {"model": MODEL, "prompt": "hello", "max_tokens": 1}) == 200
         assert w.state.value == "unhealthy"

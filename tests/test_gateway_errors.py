@@ -232,7 +232,7 @@ async def test_refused_worker_leaves_routing_at_once() -> None:
     async with fleet([good], cfg) as (gw, url):
         w = gw.pool.add(WorkerConfig(id="a", url=url_a, model=MODEL))
         w.state = type(w.state).HEALTHY  # pretend it registered before dying
-        gw.pool._rebuild(MODEL)
+        gw.pool.roster.rebuild(MODEL)
         c = client(url)
         for _ in range(3):
             r = await c.completions.create(model=MODEL, prompt="hello", max_tokens=1)

@@ -55,6 +55,7 @@ def pm(wid: str, *runs: tuple[Tier, int]) -> PrefixMatch:
 def test_registry_names_and_errors():
     assert POLICY_NAMES == (
         "round_robin", "least_loaded", "prefix_hash", "cache_aware", "dynamo", "kv_cost", "kv_cost_true_state",
+        "pd_cost", "pd_round_robin", "pd_prefix",
     )
     with pytest.raises(ValueError, match="unknown routing policy 'kvcost'.*kv_cost"):
         make_policy("kvcost")
@@ -88,6 +89,8 @@ def test_kv_cost_has_six_settings_and_no_private_one():
         "cache_threshold", "balance_abs_threshold", "balance_rel_threshold", "gpu_only", "calibrate"}
     assert set(policy_params("dynamo")) == {
         "overlap_score_weight", "temperature", "offload_credit", "seed", "calibrate"}
+    for name in ("pd_cost", "pd_round_robin", "pd_prefix"):
+        assert policy_params(name) == {"bypass_max_tokens": 2048, "calibrate": True}
     for name in POLICY_NAMES:
         assert not any(p.startswith("_") for p in policy_params(name))
 

@@ -50,27 +50,27 @@ async def test_unhealthy_after_exactly_n_failed_probes_spanning_the_minimum_time
                      "unhealthy_min_s": 0.2, "probe_timeout_s": 0.5})
     async with fleet([FakeWorker("a", DIGEST)], cfg) as (gw, _url):
         pool, w = gw.pool, gw.pool.workers["a"]
-        pool._health_failed(w, "GET /health: HTTP 500")
+        pool.health.failed(w, "GET /health: HTTP 500")
         assert w.state.value == "healthy" and w.fails == 1
-        pool._health_failed(w, "GET /health: HTTP 500")  # the 2nd, but within 0.2 s of the 1st
+        pool.health.failed(w, "GET /health: HTTP 500")  # the 2nd, but within 0.2 s of the 1st
         assert w.state.value == "healthy"
         await asyncio.sleep(0.25)
-        pool._health_failed(w, "GET /health: HTTP 500")
+        pool.health.failed(w, "GET /health: HTTP 500")
         assert (w.state.value, w.reason) == ("unhealthy", "GET /health: HTTP 500")
         assert pool.routable(MODEL) == []
     cfg = _cfg(pool={"load_poll_interval_s": 5, "health_interval_s": 60, "unhealthy_after": 2,
                      "unhealthy_min_s": 0.0, "probe_timeout_s": 0.5})
     async with fleet([FakeWorker("a", DIGEST)], cfg) as (gw, _url):
         pool, w = gw.pool, gw.pool.workers["a"]
-        pool._health_failed(w, "x")
+        pool.health.failed(w, "x")
         assert w.state.value == "healthy"
-        pool._health_failed(w, "x")
+        pool.health.failed(w, "x")
         assert w.state.value == "unhealthy"
     cfg = _cfg(pool={"load_poll_interval_s": 5, "health_interval_s": 60, "unhealthy_after": 1,
                      "unhealthy_min_s": 0.0, "probe_timeout_s": 0.5})
     async with fleet([FakeWorker("a", DIGEST)], cfg) as (gw, _url):
         w = gw.pool.workers["a"]
-        gw.pool._health_failed(w, "x")  # one failure, no minimum time: out at once
+        gw.pool.health.failed(w, "x")  # one failure, no minimum time: out at once
         assert w.state.value == "unhealthy"
 
 
@@ -148,8 +148,8 @@ async def test_a_refused_connection_on_a_request_takes_the_worker_out_at_once() 
         w = gw.pool.add(WorkerConfig(id="a", url=url_a, model=MODEL))
         assert w.task is not None
         w.task.cancel()
-        gw.pool._join(w)
-        gw.pool._set_state(w, type(w.state).HEALTHY, "")  # as if it registered, then died
+        gw.pool.roster.join(w)
+        gw.pool.roster.set_state(w, type(w.state).HEALTHY, "")  # as if it registered, then died
         assert gw.models.get(MODEL).index.has_worker("a")
         for _ in range(2):  # round robin: one of the two goes to a first
             code, body = await _post(url, {"model": MODEL, "prompt": "hello", "max_tokens": 1})
@@ -281,15 +281,15 @@ async def test_republish_returns_the_sequence_to_wait_for_only_when_it_is_one() 
     fake = RepublishingWorker("a", DIGEST)
     async with fleet([fake]) as (gw, _url):
         pool, w = gw.pool, gw.pool.workers["a"]
-        assert await pool._republish(w) is None  # no events configured: nothing to wait for
+        assert await pool.registration.republish(w) is None  # no events configured: nothing to wait for
         w.events = EventsConfig(endpoint="tcp://127.0.0.1:5557")
         for answer, want in [((200, {"seq": 7}), 7), ((200, {"seq": 0}), 0), ((200, {"seq": -1}), None),
                              ((200, {"seq": "7"}), None), ((200, {}), None), ((500, {"seq": 7}), None)]:
             fake.republish = answer
-            assert await pool._republish(w) == want, answer
+            assert await pool.registration.republish(w) == want, answer
         w.cfg = w.cfg.model_copy(update={"kind": "vllm"})
         fake.republish = (200, {"seq": 7})
-        assert await pool._republish(w) is None
+        assert await pool.registration.republish(w) is None
 
 
 async def test_a_request_the_worker_has_not_answered_yet_stays_counted_after_a_poll() -> None:
@@ -304,6 +304,6 @@ async def test_a_request_the_worker_has_not_answered_yet_stays_counted_after_a_p
         w = gw.pool.workers["a"]
         req = asyncio.ensure_future(_post(url, {"model": MODEL, "prompt": list(range(1, 41)), "max_tokens": 1}))
         await wait_until(lambda: len(w.inflight) == 1 and slow.completions, what="the request at the worker")
-        assert await gw.pool._poll_load(w)
+        assert await gw.pool.load.poll(w)
         assert (w.view.inflight_since_report_requests, w.view.inflight_since_report_prefill_tokens) == (1, 40)
         assert (await req)[0] == 200

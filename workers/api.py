@@ -174,6 +174,15 @@ class Engine(Protocol):
 
 
 @runtime_checkable
+class ServesAdapters(Protocol):
+    """An engine that serves LoRA adapters as models of their own (the real one with `--lora`)."""
+
+    def adapters(self) -> dict[str, str]:
+        """Adapter name -> the served name of the base model it applies to."""
+        ...
+
+
+@runtime_checkable
 class Embeds(Protocol):
     """An engine that answers /v1/embeddings: a unit vector per token sequence."""
 

@@ -29,7 +29,7 @@ from starlette.types import Receive, Scope, Send
 
 from kvwire import EventsInfo
 from kvwire.linger import LingeringClose
-from workers.api import Embeds, Engine
+from workers.api import Embeds, Engine, ServesAdapters
 from workers.errors import BadRequest, EngineError
 from workers.metrics import WorkerMetrics
 from workers.schema import (
@@ -174,7 +174,7 @@ class WorkerApp:
     ) -> None:
         info = engine.info()
         limits = Limits.from_info(info, max_body_bytes)
-        models = ServedModels.from_info(info)
+        models = ServedModels.from_info(info, engine.adapters() if isinstance(engine, ServesAdapters) else None)
         self.engine = engine
         self.metrics = WorkerMetrics(engine)
         self.openai = CompletionHandlers(engine, self.metrics, models, limits)

@@ -62,6 +62,15 @@ class NotFound(EngineError):
     code = "not_found"
 
 
+class ModelNotFound(NotFound):
+    """A model (or LoRA adapter) this worker does not serve: OpenAI's 404."""
+
+    code = "model_not_found"
+
+    def __init__(self, model: str, param: str = "model") -> None:
+        super().__init__(f"The model `{model}` does not exist.", param=param)
+
+
 class NotImplementedByEngine(EngineError):
     """The engine behind this worker does not offer what the request asks (501)."""
 

@@ -32,7 +32,7 @@ from ..gateway import Gateway
 from ..intake.model import ModelRuntime
 from ..telemetry.logs import client_request_id
 from ..upstream.attempt import JSON_HEADERS
-from ..upstream.proxy import UpstreamError, post, read_within
+from ..upstream.proxy import UpstreamError, read_within
 from ..upstream.redact import worker_message
 from .asgi import AsgiOut
 from .errors import ApiError, bad_request, rate_limited, upstream_failed
@@ -107,11 +107,9 @@ class EmbeddingsRoute(CompletionRoute):
         t = gw.cfg.pool
         payload = _enc.encode({**raw, "model": w.served_model or rt.id})
         rec = gw.pool.dispatched(w, max(1, len(payload) // 4), 0)  # ~4 bytes a token: its prefill work
-        timeout = aiohttp.ClientTimeout(total=t.request_timeout_s, connect=t.connect_timeout_s)
         try:
-            resp = await post(gw.session, w.url + "/v1/embeddings", payload, w.id, timeout,
-                              {**_HEADERS, "x-request-id": rid, **w.call_headers}, relay_4xx=True,
-                              header_timeout_s=t.first_byte_s(None), slot=rec.ticket)
+            resp = await gw.upstream.send(w, "/v1/embeddings", payload, {**_HEADERS, "x-request-id": rid},
+                                          t.first_byte_s(None), rec.ticket)
             rec.ticket.abort = resp.close  # the worker was declared dead: end the wait now
             gw.pool.accepted(rec)
             try:

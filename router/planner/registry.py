@@ -12,6 +12,9 @@ from .dynamo import DynamoPolicy
 from .kv_cost import KVCostPolicy
 from .kv_cost_tuning import REMOVED
 from .least_loaded import LeastLoadedPolicy
+from .pd_cost import PDCostPolicy
+from .pd_prefix import PDPrefixPolicy
+from .pd_round_robin import PDRoundRobinPolicy
 from .prefix_hash import PrefixHashPolicy
 from .round_robin import RoundRobinPolicy
 from .true_state import TrueStatePolicy
@@ -27,6 +30,9 @@ _CLASSES: dict[str, type] = {
         DynamoPolicy,
         KVCostPolicy,
         TrueStatePolicy,
+        PDCostPolicy,
+        PDRoundRobinPolicy,
+        PDPrefixPolicy,
     )
 }
 

@@ -93,6 +93,10 @@ class WorkerView:
     # False while they are only the router's defaults: kv_cost then routes by cache affinity and load.
     speeds_known: bool = True
     speeds_fitted: bool = False  # a SpeedFit measured them (calibration then leaves them be)
+    # --- prefill/decode disaggregation (pd.py): "prefill" computes prompts only (their KV
+    # then moves to a decode worker), "decode" takes requests whose KV was moved to it (or
+    # that it holds enough of: the bypass), "both" serves requests whole (the default).
+    role: str = "both"
 
 
 @dataclass(slots=True)
@@ -174,6 +178,50 @@ class Decision:
     # Tokens the chosen worker is predicted to compute (the rest it loads): what the
     # gateway should count as that worker's in-flight prefill tokens until first token.
     recompute_tokens: int | None = None
+    # Prefill/decode disaggregation (the pd_* policies, pd.py): when set, `worker_id` is the
+    # decode worker and this one computes the prompt first (max_tokens 1), after which the
+    # prompt's KV moves to `worker_id`; None = `worker_id` serves both phases. `pd` is the
+    # pair decision's record (every option priced; what explain shows).
+    prefill_worker_id: str | None = None
+    pd: PDDecision | None = None
+
+
+@dataclass(slots=True, kw_only=True)
+class PDOption:
+    """One way to serve a request under prefill/decode disaggregation, priced (pd.py).
+
+    `kind`: "single" (one `both` worker for both phases), "pair" (prefill on
+    `prefill_worker`, KV moved to `decode_worker`), "bypass" (the decode worker holds
+    enough of the prompt and prefills the rest itself: no remote prefill). `terms` holds
+    every term in seconds (and `transfer_bytes`), by name."""
+
+    kind: str
+    decode_worker: str
+    prefill_worker: str | None = None
+    t_ttft: float
+    t_tpot: float  # the decode worker's expected time per output token
+    score: float  # what pd_cost ranks by: t_ttft + (max_tokens - 1) * t_tpot
+    terms: dict[str, float] = field(default_factory=dict)
+    note: str = ""
+
+    def to_dict(self) -> dict[str, object]:
+        return {"kind": self.kind, "prefill_worker": self.prefill_worker, "decode_worker": self.decode_worker,
+                "t_ttft": self.t_ttft, "t_tpot": self.t_tpot, "score": self.score, "terms": dict(self.terms),
+                "note": self.note}
+
+
+@dataclass(slots=True, kw_only=True)
+class PDDecision:
+    """A pair decision: the chosen option, the best alternatives (each with its score) and
+    why they lost, for /admin/route/explain."""
+
+    chosen: PDOption
+    alternatives: list[PDOption] = field(default_factory=list)
+    why: str = ""
+
+    def to_dict(self) -> dict[str, object]:
+        return {"chosen": self.chosen.to_dict(), "alternatives": [o.to_dict() for o in self.alternatives],
+                "why": self.why}
 
 
 class Policy(Protocol):

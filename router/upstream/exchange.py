@@ -399,10 +399,8 @@ async def open_exchange(upstream: UpstreamPool, ex: Exchange, key: tuple[str, in
             accepted()
             try:
                 return await ex.next_batch()
-            except UpstreamError as e:  # before the first chunk: retryable elsewhere
-                e.retryable = True
-                if e.phase == "stream":
-                    e.phase = "first"
+            except UpstreamError as e:
+                e.before_first()
                 raise
     except TimeoutError:
         what = "response" if ex.status is None else "first byte"

@@ -18,14 +18,13 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import msgspec
 
-from ..config import PoolConfig
 from ..fleet.pool import WorkerPool
 from ..fleet.worker import Worker
 from ..telemetry.observe import Observer
 from .attempt import JSON_HEADERS, SSE_HEADERS, Attempt, Out, Render, Result
-from .exchange import ClientStream, Exchange, fail_mid_stream, open_exchange
-from .http1 import UpstreamPool, request_head
-from .proxy import UpstreamError, post, read_within, status_error
+from .client import UpstreamClient
+from .exchange import ClientStream, Exchange, fail_mid_stream
+from .proxy import UpstreamError, read_within, status_error
 
 if TYPE_CHECKING:
     from ..intake.prepare import Prepared
@@ -44,16 +43,13 @@ _check_json = msgspec.json.Decoder(_AnyObject).decode
 
 
 class PassThrough:
-    def __init__(self, session: aiohttp.ClientSession, pool: WorkerPool, observer: Observer,
-                 timeouts: PoolConfig, upstream: UpstreamPool | None = None) -> None:
-        self.session = session
-        # Streams to plain-http workers go through router/upstream/http1.py (callbacks, no task
-        # wakeup per event); whole answers and other URLs through aiohttp.
-        self.upstream = upstream
+    def __init__(self, client: UpstreamClient, pool: WorkerPool, observer: Observer) -> None:
+        # Streams to plain-http workers go over the client's lean transport (callbacks, no
+        # task wakeup per event); whole answers and other URLs over aiohttp.
+        self.client = client
         self.pool = pool
         self.observer = observer
-        self.timeouts = timeouts
-        self.timeout = aiohttp.ClientTimeout(total=timeouts.request_timeout_s, connect=timeouts.connect_timeout_s)
+        self.timeouts = client.timeouts
 
     def payload(self, a: Attempt) -> bytes:
         """The client's body with the routing additions (module doc)."""
@@ -78,18 +74,17 @@ class PassThrough:
     async def run(self, a: Attempt, out: Out) -> int:
         """Relay one attempt; raises UpstreamError (retryable) before the first byte."""
         w = a.worker
-        if a.prep.stream and w.fast_key is not None and self.upstream is not None:
-            return await self._run_fast(a, out, w.fast_key, self.upstream)
+        if a.prep.stream and w.fast_key is not None:
+            return await self._run_fast(a, out, w.fast_key)
         path = "/v1/chat/completions" if a.prep.chat else "/v1/completions"
         headers = {"content-type": "application/json", "x-request-id": a.prep.request_id,
-                   "accept": "text/event-stream" if a.prep.stream else "application/json", **w.call_headers}
+                   "accept": "text/event-stream" if a.prep.stream else "application/json"}
         a.t_dispatch = time.monotonic()
         # A stream's status line comes at once (within the first-byte window); a whole
         # answer's only when it is done.
         t = self.timeouts
         head_s = t.first_byte_s(a.predicted) if a.prep.stream else t.whole_answer_s(a.predicted, a.prep.max_tokens)
-        resp = await post(self.session, w.url + path, self.payload(a), w.id, self.timeout, headers, relay_4xx=True,
-                          header_timeout_s=head_s, slot=a.rec.ticket)
+        resp = await self.client.send(w, path, self.payload(a), headers, head_s, a.rec.ticket)
         a.rec.ticket.abort = resp.close  # the worker died: end this request now
         self.pool.accepted(a.rec)
         try:
@@ -101,23 +96,21 @@ class PassThrough:
         finally:
             resp.release()
 
-    async def _run_fast(self, a: Attempt, out: Out, key: tuple[str, int], upstream: UpstreamPool) -> int:
+    async def _run_fast(self, a: Attempt, out: Out, key: tuple[str, int]) -> int:
         """A stream over router/upstream/http1.py: the same phases, failures and bytes as the
         aiohttp path, but after the first events each network read is written to the
         client in the connection's callback."""
         prep = a.prep
         t = self.timeouts
-        body = self.payload(a)
         rid = prep.request_id
         extra = b"x-request-id: " + rid.encode() + b"\r\n" if rid.isascii() else b""
-        head = request_head(key[0], key[1], "/v1/chat/completions" if prep.chat else "/v1/completions", len(body),
-                            extra + a.worker.call_head)
-        ex = Exchange(PassFold(not prep.include_usage), a, t.idle_timeout_s, t.request_timeout_s)
+        path = "/v1/chat/completions" if prep.chat else "/v1/completions"
+        ex = self.client.exchange(PassFold(not prep.include_usage), a)
         a.t_dispatch = time.monotonic()
         a.rec.ticket.abort = ex.abort
         try:
-            batch = await open_exchange(upstream, ex, key, head, body, t.first_byte_s(a.predicted),
-                                        lambda: self.pool.accepted(a.rec))
+            batch = await self.client.open(ex, key, path, self.payload(a), extra, t.first_byte_s(a.predicted),
+                                           lambda: self.pool.accepted(a.rec))
             if batch is None:
                 return await self._answered_whole(a, ex, out)
             return await self._stream_fast(a, ex, batch, out)
@@ -196,9 +189,7 @@ class PassThrough:
         try:
             await relay.first(resp, self.pool)
         except UpstreamError as e:
-            e.retryable = True
-            if e.phase == "stream":
-                e.phase = "first"
+            e.before_first()
             raise
         try:
             await relay.rest(resp)

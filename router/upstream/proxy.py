@@ -43,6 +43,13 @@ class UpstreamError(Exception):
             return False
         return self.status is None or (self.status >= 500 and self.status != 503)
 
+    def before_first(self) -> None:
+        """The first-chunk rule: a failure before the client got anything is retried on
+        the next best worker (a broken stream counts as a failed first chunk)."""
+        self.retryable = True
+        if self.phase == "stream":
+            self.phase = "first"
+
     def __str__(self) -> str:
         return self.message
 

@@ -9,10 +9,8 @@ instead (router/upstream/passthrough.py); both hand their result to router/telem
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
 from typing import Any, NoReturn
 
-import aiohttp
 import msgspec
 from yarl import URL
 
@@ -27,35 +25,27 @@ from ..api.responses import (
     usage_chunk,
 )
 from ..api.schema import up_chunk_decoder
-from ..config import PoolConfig
 from ..fleet.pool import WorkerPool
 from ..fleet.worker import Worker
 from ..intake.prepare import Prepared
 from ..telemetry.observe import Observer
 from .attempt import JSON_HEADERS, SSE_HEADERS, Attempt, Out, Render, Result
-from .exchange import ClientStream, Exchange, fail_mid_stream, open_exchange
-from .http1 import UpstreamPool, request_head
-from .proxy import JSON_SSE, UpstreamError, UpstreamStream, open_stream, sse_payloads, status_error
+from .client import UpstreamClient
+from .exchange import ClientStream, Exchange, fail_mid_stream
+from .proxy import JSON_SSE, UpstreamError, UpstreamStream, sse_payloads, status_error
 
 _enc = msgspec.json.Encoder()
 
 
 class Relay:
-    def __init__(
-        self, session: aiohttp.ClientSession, pool: WorkerPool, observer: Observer, timeouts: PoolConfig,
-    ) -> None:
-        self.session = session
+    def __init__(self, client: UpstreamClient, pool: WorkerPool, observer: Observer) -> None:
+        # Plain-http workers are relayed over the client's lean transport (callbacks, no
+        # task wakeup per chunk); the others over aiohttp.
+        self.client = client
         self.pool = pool
         self.observer = observer
         self.metrics = observer.metrics
-        self.timeouts = timeouts
-        self.timeout = aiohttp.ClientTimeout(total=timeouts.request_timeout_s, connect=timeouts.connect_timeout_s)
-        # Plain-http workers are relayed through router/upstream/http1.py (callbacks, no task
-        # wakeup per chunk); the others through aiohttp.
-        self.upstream = UpstreamPool(timeouts.connect_timeout_s)
-
-    def close(self) -> None:
-        self.upstream.close()
+        self.timeouts = client.timeouts
 
     def payload(self, prep: Prepared, w: Worker) -> bytes:
         """The upstream body: token ids, always streamed with usage, plus what routing adds."""
@@ -87,10 +77,8 @@ class Relay:
         t = self.timeouts
         # the engine's id stays ours (unique in flight); the client's own id travels beside it
         hdrs = JSON_SSE if a.prep.request_id == a.prep.rid else {**JSON_SSE, "x-request-id": a.prep.request_id}
-        if w.call_headers:
-            hdrs = {**hdrs, **w.call_headers}
-        up = await open_stream(self.session, url, self.payload(a.prep, w), w.id, self.timeout,
-                               t.first_byte_s(a.predicted), t.idle_timeout_s, slot=a.rec.ticket, headers=hdrs)
+        up = await self.client.stream(url, self.payload(a.prep, w), w, t.first_byte_s(a.predicted), a.rec.ticket,
+                                      hdrs)
         a.rec.ticket.abort = up.close  # the worker died: end this request now
         self.pool.accepted(a.rec)
         try:
@@ -98,40 +86,34 @@ class Relay:
         finally:
             up.close()
 
-    async def _first(
-        self, a: Attempt, batches: AsyncIterator[list[bytes]], res: Result, render: Render | None
-    ) -> list[bytes]:
-        """Wait for the first batch: until then a failure is retryable elsewhere."""
+    def _took_first(
+        self, a: Attempt, res: Result, batch: list[bytes], render: Render | None
+    ) -> tuple[str | None, list[bytes]]:
+        """The first batch, for both transports: the request has started (TTFT); an error
+        with no text yet is retryable elsewhere (the first-chunk rule), one after text is
+        relayed mid-stream. Returns (that error or None, the client's parts)."""
         w = a.worker
-        try:
-            batch = await batches.__anext__()
-        except StopAsyncIteration:
-            raise UpstreamError(f"worker {w.id} ended the stream without any chunk", True, phase="first") from None
-        except UpstreamError as e:
-            e.retryable = True
-            if e.phase == "stream":
-                e.phase = "first"
-            raise
         res.t_first = time.monotonic()
         self.pool.first_token(a.rec)
         w.served += 1
         err, parts = self.absorb(res, batch, a.prep, render)
         if err is not None and not res.text:
             raise UpstreamError(f"worker {w.id} sent an error: {err}", True, phase="first")
-        if err is not None:
-            raise _MidStream(err, parts)
-        return parts
+        return err, parts
 
     async def _relay(self, a: Attempt, up: UpstreamStream, out: Out) -> int:
         prep, w = a.prep, a.worker
         res = Result()
         render = chunk_renderer(prep.chat, prep.rid, prep.created, prep.model_name) if prep.stream else None
         batches = up.batches()
-        err: str | None = None
         try:
-            parts = await self._first(a, batches, res, render)
-        except _MidStream as e:
-            err, parts = e.message, e.parts
+            batch = await batches.__anext__()
+        except StopAsyncIteration:
+            raise _no_chunk(w.id) from None
+        except UpstreamError as e:
+            e.before_first()
+            raise
+        err, parts = self._took_first(a, res, batch, render)
         stream, parts = await _start_client(a, out, parts, err is not None or not up.done)
         try:
             if err is None:
@@ -176,13 +158,11 @@ class Relay:
         t = self.timeouts
         rid = prep.request_id
         extra = b"" if rid == prep.rid or not rid.isascii() else b"x-request-id: " + rid.encode() + b"\r\n"
-        body = self.payload(prep, w)
-        head = request_head(key[0], key[1], "/v1/completions", len(body), extra + w.call_head)
-        ex = Exchange(self, a, t.idle_timeout_s, t.request_timeout_s)
+        ex = self.client.exchange(self, a)
         a.rec.ticket.abort = ex.abort
         try:
-            batch = await open_exchange(self.upstream, ex, key, head, body, t.first_byte_s(a.predicted),
-                                        lambda: self.pool.accepted(a.rec))
+            batch = await self.client.open(ex, key, "/v1/completions", self.payload(prep, w), extra,
+                                           t.first_byte_s(a.predicted), lambda: self.pool.accepted(a.rec))
             if batch is None:
                 status = ex.status or 0
                 retryable = status in (408, 429, 503) or status >= 500
@@ -199,15 +179,9 @@ class Relay:
         res = ex.res
         frame = ChunkFrame(prep.chat, prep.rid, prep.created, prep.model_name) if prep.stream else None
         render = frame.render if frame is not None else None
-        err: str | None = None
         if not batch and ex.done:
-            raise UpstreamError(f"worker {w.id} ended the stream without any chunk", True, phase="first")
-        res.t_first = time.monotonic()
-        self.pool.first_token(a.rec)
-        w.served += 1
-        err, parts = self.absorb(res, batch, prep, render)
-        if err is not None and not res.text:
-            raise UpstreamError(f"worker {w.id} sent an error: {err}", True, phase="first")
+            raise _no_chunk(w.id)
+        err, parts = self._took_first(a, res, batch, render)
         stream, parts = await _start_client(a, out, parts, err is not None or not ex.done)
         try:
             if err is None and not ex.done:
@@ -257,13 +231,8 @@ class Relay:
         return None, parts
 
 
-class _MidStream(Exception):
-    """The first batch carried text and then an error: relay the text, then fail."""
-
-    def __init__(self, message: str, parts: list[bytes]) -> None:
-        super().__init__(message)
-        self.message = message
-        self.parts = parts
+def _no_chunk(worker_id: str) -> UpstreamError:
+    return UpstreamError(f"worker {worker_id} ended the stream without any chunk", True, phase="first")
 
 
 async def _start_client(a: Attempt, out: Out, parts: list[bytes], more: bool) -> tuple[ClientStream, list[bytes]]:

@@ -6,6 +6,10 @@ Apart from workers/engine/server.py so that building the worker CLI's parser (an
 from __future__ import annotations
 
 import argparse
+import re
+
+# A LoRA adapter name (`--lora NAME=DIR`): the model id clients ask for.
+ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$")
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -20,6 +24,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--revision", default="", help="weight revision in the key namespace")
     ap.add_argument("--served-model-name", action="append", default=None, dest="served_names",
                     help="a name clients may use (repeatable; default: the model id)")
+    ap.add_argument("--lora", action="append", default=None, metavar="NAME=DIR", dest="loras",
+                    help="serve the LoRA adapter in DIR (peft's format) as model NAME (repeatable)")
     ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     pool = ap.add_mutually_exclusive_group()
     pool.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks")
@@ -86,4 +92,23 @@ def check_arguments(a: argparse.Namespace) -> str | None:
         return "--remote-url must be redis://host:port[/db] or rediss://..."
     if a.prefetch_queue < 0:
         return "--prefetch-queue must be >= 0"
+    seen: set[str] = set()
+    for value in getattr(a, "loras", None) or ():
+        try:
+            name, _ = parse_lora_flag(value)
+        except ValueError as e:
+            return str(e)
+        if name in seen:
+            return f"--lora {name} is given twice"
+        seen.add(name)
     return None
+
+
+def parse_lora_flag(value: str) -> tuple[str, str]:
+    """`NAME=DIR` of `--lora` as (name, folder); ValueError when malformed."""
+    name, sep, folder = value.partition("=")
+    if not sep or not name or not folder:
+        raise ValueError(f"--lora takes NAME=DIR, got {value!r}")
+    if not ADAPTER_NAME.match(name):
+        raise ValueError(f"bad LoRA adapter name {name!r}: letters, digits and ._:/@+- only")
+    return name, folder

@@ -70,6 +70,9 @@ class BlockManager:
         self.events: list[KVEvent] = []
         self.stored = 0
         self.evicted = 0
+        # Every layer of the model attends within this many tokens (None: some layer sees all):
+        # a prefix hit then needs only the blocks its next token attends to (`match`).
+        self.window: int | None = None
 
     # ------------------------------------------------------------------ queries
 
@@ -82,14 +85,30 @@ class BlockManager:
         return self.num_blocks - len(self.free)
 
     def match(self, seq: Seq) -> list[int]:
-        """Pool blocks of the sequence's leading cached blocks (never its last token)."""
+        """Pool blocks of the sequence's leading cached blocks (never its last token).
+
+        With a window (every layer windowed), vLLM's rule for a sliding-window group: a
+        prefix of L blocks is a hit when the `ceil((window - 1) / block_size)` blocks
+        ending at L are registered, whatever is held before them; those earlier blocks
+        come back as -1 (holes that `admit` leaves trimmed)."""
         out: list[int] = []
-        for i in range(seq.cacheable_blocks):
+        cap = seq.cacheable_blocks
+        for i in range(cap):
             bid = self.by_key.get(seq.key(i))
             if bid is None:
                 break
             out.append(bid)
-        return out
+        if self.window is None or len(out) == cap:
+            return out
+        need = max(1, -(-(self.window - 1) // self.block_size))
+        best, run = len(out), 0
+        for i in range(len(out), cap):
+            run = run + 1 if seq.key(i) in self.by_key else 0
+            if run >= need:
+                best = i + 1
+        if best == len(out):
+            return out
+        return [-1] * (best - need) + [self.by_key[seq.key(i)] for i in range(best - need, best)]
 
     def gpu_prefix(self, keys: Sequence[bytes], limit: int) -> int:
         """How many of the leading `keys` (at most `limit`) are registered."""
@@ -108,7 +127,7 @@ class BlockManager:
     def can_admit(self, seq: Seq, matched: list[int], n: int) -> bool:
         """Room for a waiting sequence taking `matched` blocks and computing `n` tokens after them."""
         new = -(-(len(matched) * self.block_size + n) // self.block_size) - len(matched)
-        revived = sum(1 for b in matched if self.blocks[b].ref == 0)
+        revived = sum(1 for b in matched if b >= 0 and self.blocks[b].ref == 0)
         return new + revived <= self.available()
 
     def snapshot(self) -> set[bytes]:
@@ -119,11 +138,16 @@ class BlockManager:
 
     def admit(self, seq: Seq, matched: list[int], n: int) -> None:
         """Give a waiting sequence its cached prefix blocks and room for `n` more tokens."""
+        holes = 0
         for bid in matched:
-            self._acquire(bid)
+            if bid < 0:  # a window hit's leading blocks: nothing attends to them (`match`)
+                holes += 1
+            else:
+                self._acquire(bid)
         seq.block_table = list(matched)
         seq.num_computed = len(matched) * self.block_size
         seq.num_registered = len(matched)
+        seq.num_trimmed = holes
         seq.registrable = True
         self.grow(seq, n)
 
@@ -136,10 +160,29 @@ class BlockManager:
     def release(self, seq: Seq) -> None:
         """A sequence stops (finished, cancelled, preempted): drop its references, tail first."""
         for bid in reversed(seq.block_table):
-            self._release_one(bid)
+            if bid >= 0:  # -1: trimmed (out of the window), released already
+                self._release_one(bid)
         seq.block_table = []
         seq.num_computed = 0
         seq.num_registered = 0
+        seq.num_trimmed = 0
+
+    def trim(self, seq: Seq, window: int) -> None:
+        """A model whose every layer attends within `window` tokens: drop the sequence's
+        references to its leading registered blocks that no later token attends to (the
+        next one, at `num_computed`, sees positions from `num_computed - window + 1`).
+        They stay cached under their keys, so evictable (and offloaded) like any cached
+        block, and reusable by a prefix hit until then; their table entries become -1.
+        The last registered block is kept: registering the next one checks its key."""
+        bs = self.block_size
+        dead = min(max(0, seq.num_computed - window + 1) // bs, seq.num_registered - 1)
+        table = seq.block_table
+        while seq.num_trimmed < dead:
+            i = seq.num_trimmed
+            bid = table[i]
+            table[i] = -1
+            self._release_one(bid)
+            seq.num_trimmed += 1
 
     def commit(self, seq: Seq) -> None:
         """Register the sequence's blocks that became full (their KV is in the pool now)."""

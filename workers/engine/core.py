@@ -19,9 +19,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import msgspec
 import torch
 
-from kvindex.events import KVEvent
+from kvindex.events import BlockRemoved, BlockStored, KVEvent
 from kvindex.keys import BlockHasher, Namespace
 from kvindex.tiers import Tier
 from kvwire import BlockCounts, LoadReport, NamespaceInfo, Speeds, WorkerInfo
@@ -33,7 +34,7 @@ from .blocks import BlockManager, EvictedBlock, EvictHook
 from .detok import OutputText
 from .engineconfig import EngineConfig, resolve_num_blocks
 from .kvpool import KVPool
-from .model import LoadedModel
+from .model import KVGroup, LoadedModel
 from .runner import ModelRunner
 from .sampler import Sampler
 from .scheduler import Scheduler, StepPlan
@@ -120,7 +121,10 @@ class EngineCore:
             else:
                 self.blocks.on_evict = offload
         self.scheduler = Scheduler(self.blocks, cfg.max_num_batched_tokens, cfg.max_num_seqs, self.tiers)
-        self.runner = ModelRunner(lm.model, self.pool, lm.device)
+        # every layer windowed: blocks out of the window are released as sequences advance
+        self.window = lm.kv.window_only
+        self.blocks.window = self.window
+        self.runner = ModelRunner(lm.model, self.pool, lm.device, lm.lora, window=self.window)
         self.sampler = Sampler(lm.eos_ids)
         self.decode_step = Ewma()
         self.stats = CoreStats()
@@ -253,7 +257,7 @@ class EngineCore:
         g = seq.num_computed // bs
         u.loaded_tokens = dict.fromkeys(u.loaded_tokens, 0)
         u.prefetched_tokens = 0
-        credit = self.tiers.credit_gpu_hits(seq.keys[:g]) if self.tiers is not None else {}
+        credit = self.tiers.credit_gpu_hits(seq.keys[seq.num_trimmed:g]) if self.tiers is not None else {}
         for tier, n in credit.items():
             u.loaded_tokens[tier.name] += n * bs
             u.prefetched_tokens += n * bs
@@ -319,6 +323,8 @@ class EngineCore:
             if seq.aborted:
                 continue
             self.blocks.commit(seq)
+            if self.window is not None:
+                self.blocks.trim(seq, self.window)
             tok = result.tokens.get(seq)
             if tok is not None:
                 updates.append(self._append(seq, tok, result.end, result.logprobs.get(seq)))
@@ -437,7 +443,7 @@ class EngineCore:
         return self.tiers.purge(cache_salt, everything, keys)
 
     def take_events(self) -> list[KVEvent]:
-        return self.blocks.take_events()
+        return per_group(self.blocks.take_events(), self.lm.kv.groups if self.lm.kv.sliding else None)
 
     # ------------------------------------------------------------------ reports
 
@@ -522,3 +528,22 @@ class EngineCore:
         if tiers is None:
             return ["purge"]
         return ["prefetch", "peer_pull", "purge"] if Tier.PEER in tiers.links else ["prefetch", "purge"]
+
+
+def per_group(events: list[KVEvent], groups: list[KVGroup] | None) -> list[KVEvent]:
+    """The events as vLLM publishes them for a model with KV groups (sliding-window
+    layers): each block event once per group, with the group's index, kind and window.
+    Every pool block holds every layer, so every group holds what the event names.
+    `groups` None (full attention only): the events as they are, without group fields."""
+    if not groups:
+        return events
+    out: list[KVEvent] = []
+    for e in events:
+        if isinstance(e, BlockStored):
+            out.extend(msgspec.structs.replace(e, group_idx=g.index, kv_cache_spec_kind=g.kind,
+                                               kv_cache_spec_sliding_window=g.window) for g in groups)
+        elif isinstance(e, BlockRemoved):
+            out.extend(msgspec.structs.replace(e, group_idx=g.index) for g in groups)
+        else:
+            out.append(e)
+    return out

@@ -27,11 +27,11 @@ from kvwire import LoadReport, WorkerInfo
 from workers.api import BlockExport, GenChunk, GenRequest, PrefetchResult, PrefetchSpec, TokenLogprob
 from workers.blockmeta import meta_to_json, state_events
 from workers.chunkstream import ChunkStream
-from workers.errors import BadRequest, Draining, EngineError, PrefetchQueueFull
+from workers.errors import BadRequest, Draining, EngineError, ModelNotFound, PrefetchQueueFull
 from workers.fleetkeys import peer_bearer
 
 from .blockio import record_of
-from .core import EngineCore, SeqUpdate
+from .core import EngineCore, SeqUpdate, per_group
 from .loop import EngineThread
 from .model import EngineTokenizer
 from .sequence import SamplingParams, Sequence
@@ -133,6 +133,12 @@ class TorchEngine:
     def tokenizer(self) -> EngineTokenizer:
         return self.core.lm.tokenizer
 
+    def adapters(self) -> dict[str, str]:
+        """The LoRA adapters served as models: name -> the base model they apply to (its
+        first served name, what `/v1/models` gives as `parent`)."""
+        lm = self.core.lm
+        return {name: lm.served_names[0] for name in lm.lora.names} if lm.lora is not None else {}
+
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
@@ -171,9 +177,8 @@ class TorchEngine:
             raise Draining("this worker is draining: send the request elsewhere", retry_after=1.0)
         if not self._started:
             raise Draining("this worker is starting", retry_after=1.0)
-        if req.lora:
-            raise BadRequest(f"LoRA adapter {req.lora!r} is not loaded: this engine serves no adapters yet",
-                             param="lora")
+        if req.lora and (self.core.lm.lora is None or req.lora not in self.core.lm.lora):
+            raise ModelNotFound(req.lora, param="lora")
         if req.request_id in self._streams:
             raise BadRequest(f"request id {req.request_id!r} is already in flight", param="request_id")
         try:
@@ -348,7 +353,8 @@ class TorchEngine:
                 m = core.blocks.blocks[b].meta
                 if m is not None:
                     metas[k] = m
-            state = state_events(held, metas, core.bs)
+            kv = core.lm.kv
+            state = per_group(state_events(held, metas, core.bs), kv.groups if kv.sliding else None)
             publish = getattr(self.publisher_stats, "publish", None)
             if publish is None:
                 return -1

@@ -3,8 +3,9 @@
 A user's model folder loads unchanged through `AutoModelForCausalLM.from_pretrained`,
 never from a hub (`local_files_only`). The KV geometry is not read from the config
 (field names differ between architectures) but probed: one 1-token forward shows the
-cache layers the model really builds, and anything but uniform full-attention layers
-is refused, since the paged pool holds one shape for every layer.
+cache layers the model really builds: full-attention and sliding-window layers
+(docs/engine.md § Sliding-window models) of one shape are accepted, anything else is
+refused, since the paged pool holds one shape for every layer.
 """
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
 from workers.tokenizer import SimTokenizer, TokenizerError
 
+from .lora import LoraSet
 from .tiny import MODEL_ID, SERVED_ALIASES, ModelError, tiny_model_dir
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -33,6 +35,21 @@ class ModelSpec:
     device: str | None = None  # "cpu" | "cuda" | "cuda:N"; None: CUDA when available
     dtype: str = "auto"
     cache_dir: Path | None = None
+    loras: tuple[tuple[str, str], ...] = ()  # (adapter name, folder in peft's format), served as models
+
+
+@dataclass(frozen=True, slots=True)
+class KVGroup:
+    """Layers of one attention kind (vLLM's KV-cache group): full attention or one window."""
+
+    index: int
+    window: int | None  # tokens; None: full attention
+    layers: tuple[int, ...]
+
+    @property
+    def kind(self) -> str:
+        """vLLM's `kv_cache_spec_kind` of the group."""
+        return "full_attention" if self.window is None else "sliding_window"
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +60,27 @@ class KVShape:
     kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    windows: tuple[int | None, ...] = ()  # per layer: its sliding window in tokens, None for full attention
+
+    @property
+    def groups(self) -> list[KVGroup]:
+        """The KV-cache groups as vLLM forms them: one per kind of layer (full attention
+        first, then one per window size), each with its layers."""
+        windows = self.windows or (None,) * self.layers
+        specs = sorted({w for w in windows}, key=lambda w: (w is not None, w or 0))
+        return [KVGroup(i, w, tuple(j for j, x in enumerate(windows) if x == w)) for i, w in enumerate(specs)]
+
+    @property
+    def window_only(self) -> int | None:
+        """The window when every layer has the same one (no layer needs older tokens), else None."""
+        ws = set(self.windows)
+        w = ws.pop() if len(ws) == 1 else None
+        return w
+
+    @property
+    def sliding(self) -> bool:
+        """True when some layer attends only within a window."""
+        return any(w is not None for w in self.windows)
 
     @property
     def token_bytes(self) -> int:
@@ -83,6 +121,7 @@ class LoadedModel:
     vocab_size: int
     eos_ids: frozenset[int]
     folder: Path
+    lora: LoraSet | None = None  # the LoRA adapters served beside the base model (None: none)
 
     @property
     def dtype_name(self) -> str:
@@ -97,6 +136,11 @@ def load_model(spec: ModelSpec) -> LoadedModel:
     folder = tiny_model_dir(spec.cache_dir) if default else Path(spec.model).expanduser().resolve()
     if not (folder / "config.json").is_file():
         raise ModelError(f"{folder} is not a model folder (no config.json)")
+    model_id = spec.model_id or (MODEL_ID if default else folder.name)
+    names = list(spec.served_names) or [model_id, *(SERVED_ALIASES if default else ())]
+    for name, _ in spec.loras:
+        if name in (model_id, *names):
+            raise ModelError(f"LoRA adapter name {name!r} is already a served model name")
     device = select_device(spec.device)
     dtype = select_dtype(spec.dtype, device, folder)
     auto: Any = AutoModelForCausalLM
@@ -110,14 +154,14 @@ def load_model(spec: ModelSpec) -> LoadedModel:
         tokenizer = EngineTokenizer(folder, vocab)
     except TokenizerError as e:
         raise ModelError(str(e)) from None
-    model_id = spec.model_id or (MODEL_ID if default else folder.name)
-    names = list(spec.served_names) or [model_id, *(SERVED_ALIASES if default else ())]
+    kv = probe_kv_shape(model, device)  # before any adapter is attached: the base model's cache
+    lora = load_adapters(model, spec.loras, device, dtype) if spec.loras else None
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
         device=device,
         dtype=dtype,
-        kv=probe_kv_shape(model, device),
+        kv=kv,
         model_id=model_id,
         revision=spec.revision,
         served_names=names,
@@ -125,7 +169,17 @@ def load_model(spec: ModelSpec) -> LoadedModel:
         vocab_size=vocab,
         eos_ids=_eos_ids(model, tokenizer),
         folder=folder,
+        lora=lora,
     )
+
+
+def load_adapters(model: Any, loras: tuple[tuple[str, str], ...], device: torch.device,
+                  dtype: torch.dtype) -> LoraSet:
+    """Attach every `(name, folder)` adapter (peft's format) to `model`."""
+    out = LoraSet(model)
+    for name, folder in loras:
+        out.load(name, Path(folder).expanduser().resolve(), device, dtype)
+    return out
 
 
 def select_device(name: str | None) -> torch.device:
@@ -157,26 +211,32 @@ def select_dtype(name: str, device: torch.device, folder: Path) -> torch.dtype:
 
 
 def probe_kv_shape(model: Any, device: torch.device) -> KVShape:
-    """Run one token and read the cache the model builds; refuse non-uniform or non-full attention."""
+    """Run one token and read the cache the model builds: full-attention and sliding-window
+    layers of one shape are supported (the pool holds one shape for every layer); linear
+    attention, MLA-style caches and anything else are refused."""
     with torch.inference_mode():
         out = model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), use_cache=True)
     cache = out.cache if hasattr(out, "cache") else out.past_key_values
     if not isinstance(cache, DynamicCache) or not cache.layers:
         raise ModelError(f"{type(model).__name__} does not build a DynamicCache: not supported by this engine")
     shapes = set()
+    windows: list[int | None] = []
     for layer in cache.layers:
-        if type(layer) is not DynamicLayer or layer.keys is None or layer.values is None:
+        if not isinstance(layer, DynamicLayer) or type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer) \
+                or layer.keys is None or layer.values is None:
             raise ModelError(
-                f"{type(model).__name__} uses {type(layer).__name__} cache layers (sliding window, linear "
-                "attention, ...): only full-attention models are supported by this engine yet"
+                f"{type(model).__name__} uses {type(layer).__name__} cache layers (linear attention, ...): only "
+                "full-attention and sliding-window models are supported by this engine yet"
             )
         if layer.keys.shape != layer.values.shape:
             raise ModelError("keys and values of different shapes (MLA-style caches) are not supported yet")
         shapes.add((tuple(layer.keys.shape), layer.keys.dtype))
+        windows.append(int(layer.sliding_window) if isinstance(layer, DynamicSlidingWindowLayer) else None)
     if len(shapes) != 1:
         raise ModelError("cache layers of different shapes are not supported by this engine yet")
     (shape, dtype) = shapes.pop()
-    return KVShape(layers=len(cache.layers), kv_heads=shape[1], head_dim=shape[3], dtype=dtype)
+    return KVShape(layers=len(cache.layers), kv_heads=shape[1], head_dim=shape[3], dtype=dtype,
+                   windows=tuple(windows) if any(w is not None for w in windows) else ())
 
 
 def _eos_ids(model: Any, tokenizer: EngineTokenizer) -> frozenset[int]:

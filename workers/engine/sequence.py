@@ -109,6 +109,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0
     num_registered: int = 0  # leading blocks registered under their keys
+    num_trimmed: int = 0  # leading blocks no longer referenced: out of every layer's window (table entry -1)
     registrable: bool = True  # False once a block of its chain was purged under it
     cached_hint: int = 0  # prompt tokens of its leading blocks held in some tier when it arrived (for /load)
     aborted: bool = False

@@ -129,6 +129,7 @@ def build_engine(a: argparse.Namespace) -> TorchEngine:
 
     hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # stderr is a log, not a terminal
 
+    from .args import parse_lora_flag
     from .core import EngineCore
     from .engineconfig import EngineConfig
     from .model import ModelSpec, load_model
@@ -143,6 +144,7 @@ def build_engine(a: argparse.Namespace) -> TorchEngine:
         device=a.device,
         dtype=a.dtype,
         cache_dir=Path(a.cache_dir).expanduser() if a.cache_dir else None,
+        loras=tuple(parse_lora_flag(v) for v in getattr(a, "loras", None) or ()),
     )
     cfg = EngineConfig(
         worker_id=a.worker_id,
@@ -240,5 +242,6 @@ def describe(engine: TorchEngine) -> str:
         if tiers.cfg.peer_token is not None:
             parts.append("peer pull")
         below = "; tiers: " + ", ".join(parts)
-    return (f"model {lm.model_id} from {lm.folder} on {lm.device} ({lm.dtype_name}); "
+    adapters = f"; LoRA adapters {', '.join(lm.lora.names)}" if lm.lora is not None else ""
+    return (f"model {lm.model_id} from {lm.folder} on {lm.device} ({lm.dtype_name}){adapters}; "
             f"KV pool {core.blocks.num_blocks} blocks x {core.bs} tokens ({core.pool.block_bytes} B/block)" + below)

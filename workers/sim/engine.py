@@ -58,7 +58,14 @@ class SimEngine:
         on_events: Callable[[list[KVEvent]], object] | None = None,
         max_waiting: int | None = None,
         block_size: int | None = None,
+        role: str = "both",
     ) -> None:
+        if role not in ("prefill", "decode", "both"):
+            raise ValueError(f"unknown worker role {role!r}; choose one of: prefill, decode, both")
+        # Prefill/decode disaggregation: what the router may send here. The engine serves
+        # any request either way: a prefill worker is sent prompts with max_tokens 1, a
+        # decode worker requests whose KV it pulls first (`prefetch` from the prefill worker).
+        self.role = role
         if block_size is not None and block_size != profile.block_size:
             profile = profile.with_block_size(block_size)
         self.worker_id = worker_id

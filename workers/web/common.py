@@ -5,7 +5,7 @@ from __future__ import annotations
 import base64
 import binascii
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from kvwire import WorkerInfo
-from workers.errors import BadRequest, EngineError, NotFound, UnsupportedParameter
+from workers.errors import BadRequest, EngineError, ModelNotFound, UnsupportedParameter
 from workers.schema import ErrorBody, ErrorInfo
 
 KEY_BYTES = 32
@@ -44,17 +44,21 @@ class Limits:
 class ServedModels:
     """The model names a worker answers to. `names` is what /v1/models lists (the served
     names, else the model), its first the name responses carry; the model id itself is
-    accepted too, as vLLM's clients often send it."""
+    accepted too, as vLLM's clients often send it. `adapters` are the LoRA adapters the
+    engine serves as models of their own (name -> the base model's served name, vLLM's
+    `parent`): a request naming one runs with that adapter."""
 
     names: tuple[str, ...]
     accepted: frozenset[str]
     root: str
     max_model_len: int | None
+    adapters: dict[str, str] = field(default_factory=dict)
 
     @classmethod
-    def from_info(cls, info: WorkerInfo) -> ServedModels:
+    def from_info(cls, info: WorkerInfo, adapters: dict[str, str] | None = None) -> ServedModels:
         names = tuple(info.served_model_names or [info.model])
-        return cls(names, frozenset(names) | {info.model}, info.model or names[0], info.max_context_tokens)
+        return cls(names, frozenset(names) | {info.model}, info.model or names[0], info.max_context_tokens,
+                   dict(adapters or {}))
 
     @property
     def default(self) -> str:
@@ -64,9 +68,13 @@ class ServedModels:
         """The name to answer with: the default when none is asked for, 404 for a stranger."""
         if model is None or model == "":
             return self.default
-        if model not in self.accepted:
-            raise NotFound(f"The model `{model}` does not exist on this worker", param="model")
+        if model not in self.accepted and model not in self.adapters:
+            raise ModelNotFound(model)
         return model
+
+    def adapter_of(self, model: str) -> str | None:
+        """The LoRA adapter a resolved model name runs with (None: the base model)."""
+        return model if model in self.adapters else None
 
 
 def error_response(

@@ -89,6 +89,11 @@ class CompletionHandlers:
                           b.temperature, b.top_p, b.seed, b.stop, b.min_tokens, _logprobs(b))
 
     async def _start(self, gen: GenRequest, b: CompletionBody | ChatBody, model: str, chat: bool) -> Response:
+        adapter = self.models.adapter_of(model)
+        if adapter is not None:  # the model asked for is a LoRA adapter: run with it, keys scoped by it
+            if gen.lora and gen.lora != adapter:
+                raise BadRequest(f"lora {gen.lora!r} contradicts model {model!r}", param="lora")
+            gen.lora = adapter
         if self.engine.draining:
             raise Draining("this worker is draining: send the request elsewhere", retry_after=1.0)
         stream = await self.engine.generate(gen)

@@ -33,11 +33,16 @@ class ModelHandlers:
 
     def _card(self, name: str) -> dict[str, Any]:
         m = self.models
+        parent = m.adapters.get(name)
+        if parent is not None:  # a LoRA adapter, listed as vLLM lists one: `parent` names its base model
+            return {"id": name, "object": "model", "created": self.created, "owned_by": "kvroute", "root": name,
+                    "parent": parent, "max_model_len": None}
         return {"id": name, "object": "model", "created": self.created, "owned_by": "kvroute", "root": m.root,
                 "parent": None, "max_model_len": m.max_model_len}
 
     async def list_models(self, request: Request) -> Response:
-        return json_response({"object": "list", "data": [self._card(n) for n in self.models.names]})
+        names = [*self.models.names, *self.models.adapters]
+        return json_response({"object": "list", "data": [self._card(n) for n in names]})
 
     async def get_model(self, request: Request) -> Response:
         return json_response(self._card(self.models.resolve(request.path_params["model_id"])))
