@@ -16,6 +16,7 @@ from .events import AllBlocksCleared, BlockRemoved, BlockStored, EventDecodeErro
 from .group_apply import GroupApplier, extras_with_skipped
 from .groups import FULL_KINDS
 from .keys import ROOT_KEY, digests64, tokens_to_bytes
+from .page_chain import page_tokens, unchained_hash
 from .slots import REMOTE, SlotTable, WorkerSlot
 from .stats import ApplyStats
 from .tiers import Tier, tier_of_medium
@@ -73,6 +74,8 @@ class EventApplier:
     # ------------------------------------------------------------------ BlockStored
 
     def _stored(self, w: WorkerSlot, ev: BlockStored | LazyBlockStored, st: ApplyStats) -> int:
+        if w.pages is not None:
+            return self._stored_pages(w, ev, st)
         if ev.group_idx:
             return self._groups.stored(w, ev, st)
         kind = ev.kv_cache_spec_kind
@@ -267,9 +270,87 @@ class EventApplier:
         # None when only trusted workers stored it: they keep no full keys (docs/prefix-index.md)
         return self._blocks.full_key(d)
 
+    # ------------------------------------------------------------------ pages
+
+    def _changed(self, w: WorkerSlot) -> Callable[[int, int], None]:
+        """Counts a page-chain worker's index entries as its page chain sets or clears bits."""
+
+        def changed(bit: int, delta: int) -> None:
+            pos = bit.bit_length() - 1
+            ti = REMOTE if pos % 4 == 3 else pos - 4 * w.slot
+            if delta > 0:
+                self._slots.count_added(w, ti, delta)
+            elif delta < 0:
+                self._slots.count_removed(w, ti, -delta)
+
+        return changed
+
+    def _stored_pages(self, w: WorkerSlot, ev: BlockStored | LazyBlockStored, st: ApplyStats) -> int:
+        """A worker whose pages are smaller than the index block (kvindex/page_chain.py)."""
+        pages = w.pages
+        assert pages is not None
+        if isinstance(ev, LazyBlockStored):
+            try:
+                ev = ev.materialize()
+            except EventDecodeError:
+                st.bad_events += 1
+                return 0
+        hashes = ev.block_hashes
+        if ev.group_idx or ev.extra_keys is not None or type(hashes) not in (list, tuple):
+            st.bad_events += 1  # per-page extra keys or groups: not what a page-chain engine sends
+            return 0
+        n = len(hashes)
+        if not n:
+            return 0
+        if ev.block_size != pages.page_size:
+            st.partial_pages += n  # a page shorter than the others: it ends no index block
+            return 0
+        buf = page_tokens(ev.token_ids, n, pages.page_size)
+        if buf is None:
+            st.bad_events += 1
+            return 0
+        if not pages.unchained and ev.parent_block_hash is None and unchained_hash(hashes[0], ev.token_ids, pages):
+            # a release whose page hashes do not depend on the position (kvindex/page_chain.py):
+            # its pages cannot be placed, so nothing it stored is credited
+            self._clear_worker(w.worker_id)
+            pages.unchained = True
+        if pages.unchained:
+            st.unchained_pages += n
+            return 0
+        extra: tuple[Any, ...] | None = None
+        if ev.lora_name:
+            extra = (ev.lora_name,)
+        elif ev.lora_id is not None:
+            extra = (("lora_id", ev.lora_id),)
+        bit, _ti = self._tier_bit(w, ev.medium, st)
+        before = pages.evicted
+        try:
+            placed, orphans = pages.store(self._blocks, hashes, ev.parent_block_hash, buf, bit, extra, self._changed(w))
+        except TypeError:  # unhashable page hashes
+            st.bad_events += 1
+            return 0
+        st.stored += placed
+        st.orphans += orphans
+        st.pages_evicted += pages.evicted - before
+        return placed
+
+    def _removed_pages(self, w: WorkerSlot, ev: BlockRemoved, st: ApplyStats) -> int:
+        pages = w.pages
+        assert pages is not None
+        if ev.group_idx:
+            st.bad_events += 1
+            return 0
+        bit, _ti = self._tier_bit(w, ev.medium, st)
+        known, unknown = pages.remove(self._blocks, ev.block_hashes, bit, self._changed(w))
+        st.removed += known
+        st.unknown_removed += unknown
+        return known
+
     # ------------------------------------------------------------------ BlockRemoved
 
     def _removed(self, w: WorkerSlot, ev: BlockRemoved, st: ApplyStats) -> int:
+        if w.pages is not None:
+            return self._removed_pages(w, ev, st)
         if ev.group_idx:
             return self._groups.removed(w, ev, st)
         bit, ti = self._tier_bit(w, ev.medium, st)

@@ -48,7 +48,8 @@ class BadNamespace(IndexError_):
 
 
 class BadBlockSize(IndexError_):
-    """A worker's engine block size that is not a multiple of the index's own."""
+    """A worker's engine block size that is neither a multiple of the index's own nor a
+    page size dividing it."""
 
     def __init__(self, worker_id: str, block_size: int, index_block_size: int) -> None:
         self.worker_id = worker_id
@@ -57,7 +58,7 @@ class BadBlockSize(IndexError_):
         super().__init__(
             f"worker {worker_id!r} has block size {block_size}, which is not a multiple of the "
             f"index block size {index_block_size}; configure the worker's engine with a "
-            f"multiple of {index_block_size}"
+            f"multiple of {index_block_size} (or a page size dividing it)"
         )
 
 

@@ -28,6 +28,7 @@ from .errors import (
 from .events import DecodedBatch, KVEvent, LazyBlockStored
 from .group_match import group_counters, group_specs, hybrid_match
 from .keys import KEY_BYTES, BlockHasher, digests64
+from .page_chain import DEFAULT_MAX_PAGES, PageChain
 from .slots import LOCAL_TIERS, SlotTable, WorkerSlot
 from .stats import ApplyStats, WorkerIndexStats
 from .tiers import Tier
@@ -90,11 +91,15 @@ class PrefixIndex:
         remote_group: str | None = None,
         trusted_digests: bool = False,
         verify_every: int = DEFAULT_VERIFY_EVERY,
+        max_pages: int = DEFAULT_MAX_PAGES,
     ) -> None:
         """Register a worker serving the model whose namespace digest is `ns_digest`.
 
-        `block_size` is the worker's own (engine) block size; it must be a multiple
-        of the index's, each engine block then being split into index blocks.
+        `block_size` is the worker's own (engine) block size: a multiple of the
+        index's, each engine block then being split into index blocks, or a page size
+        that divides it (SGLang's pages of 1 token), the pages then being assembled
+        along their chain into index blocks, at most `max_pages` of them remembered
+        (kvindex/page_chain.py; such a worker is never trusted).
         Workers naming the same `remote_group` share its REMOTE tier.
         `trusted_digests`: the worker keys blocks with `kvindex.keys` and publishes
         `digest64` of its keys as block hashes (our engines, kind "kvroute"), so they
@@ -110,7 +115,8 @@ class PrefixIndex:
         if type(verify_every) is not int or verify_every < 1:
             raise BadVerifyEvery(worker_id, verify_every)
         bs = block_size or self.block_size
-        if bs < 0 or bs % self.block_size:
+        paged = 0 < bs < self.block_size and self.block_size % bs == 0
+        if bs < 0 or (bs % self.block_size and not paged):
             raise BadBlockSize(worker_id, bs, self.block_size)
         group = remote_group or f"worker:{worker_id}"
         slot = self._take_slot(worker_id)
@@ -121,7 +127,10 @@ class PrefixIndex:
         hasher = self._hashers.get(ns_digest)
         if hasher is None:
             hasher = self._hashers[ns_digest] = BlockHasher(ns_digest, self.block_size)
-        w = WorkerSlot(worker_id, slot, group, gslot, ns_digest, bs, hasher, verify_every, bool(trusted_digests))
+        trusted = bool(trusted_digests) and not paged
+        w = WorkerSlot(worker_id, slot, group, gslot, ns_digest, bs, hasher, verify_every, trusted)
+        if paged:
+            w.pages = PageChain(bs, self.block_size, hasher, max_pages)
         self._slots.workers[worker_id] = w
         self._slots.activate(w)
 
@@ -140,6 +149,8 @@ class PrefixIndex:
         """
         w = self._get(worker_id)
         w.engine_hashes.clear()
+        if w.pages is not None:
+            w.pages.clear()
         if w.groups is not None:
             w.groups.clear_blocks()
         w.until_verify = 0

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from .engine_hashes import EngineHashes
 from .groups import WorkerGroups
 from .keys import BlockHasher
+from .page_chain import PageChain
 from .stats import ApplyStats
 from .tiers import Tier
 
@@ -31,7 +32,7 @@ class WorkerSlot:
     group: str
     gslot: int
     ns_digest: bytes
-    block_size: int  # the engine's, a multiple of the index's
+    block_size: int  # the engine's: a multiple of the index's, or a page size dividing it
     hasher: BlockHasher
     verify_every: int  # a trusted worker's chain roots: 1 in this many recomputed
     trusted: bool = False  # block hashes are applied as our digests (docs/prefix-index.md)
@@ -41,6 +42,7 @@ class WorkerSlot:
     counts: list[int] = field(default_factory=lambda: [0, 0, 0])  # entries per local tier
     stats: ApplyStats = field(default_factory=ApplyStats)
     groups: WorkerGroups | None = None  # hybrid models only (docs/kv-groups.md)
+    pages: PageChain | None = None  # pages smaller than the index block (kvindex/page_chain.py)
 
     def bit(self, ti: int) -> int:
         """Its bitmap bit for tier index `ti` (REMOTE: its group's)."""

@@ -22,6 +22,10 @@ class ApplyStats:
     `group_overflows` a group emptied for growing past its bound (docs/kv-groups.md).
     `digests_verified` counts a trusted worker's chain-root events recomputed from
     their tokens, `digest_mismatches` those whose digests differed (docs/prefix-index.md).
+    For a worker whose pages are smaller than the index block (kvindex/page_chain.py),
+    `stored` / `removed` count pages, `partial_pages` pages shorter than its page size
+    (they end no index block), `pages_evicted` pages its bounded page memory forgot and
+    `unchained_pages` pages of a release whose page hashes do not chain (never credited).
     """
 
     stored: int = 0
@@ -38,6 +42,9 @@ class ApplyStats:
     group_removed: int = 0
     group_spec_changes: int = 0
     group_overflows: int = 0
+    partial_pages: int = 0
+    pages_evicted: int = 0
+    unchained_pages: int = 0
 
     def add(self, other: ApplyStats) -> None:
         """Add `other`'s counters to these."""

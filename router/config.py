@@ -63,7 +63,7 @@ class DiscoveryConfig(Strict):
     scheme: Literal["http", "https"] = "http"
     id_prefix: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.-]+$")
     interval_s: float = Field(default=10.0, gt=0)
-    kind: Literal["kvroute", "vllm"] = "kvroute"
+    kind: Literal["kvroute", "vllm", "sglang"] = "kvroute"
     model: str | None = None
     events: EventsConfig | None = None
     block_size: int | None = Field(default=None, gt=0)

@@ -276,7 +276,7 @@ class Gateway:
                 self.metrics.child(self.metrics.shed, "no_healthy_worker").inc()
                 raise unavailable(f"No healthy worker serves adapter {lora!r} of model {model.id!r} right now.", 1.0)
         if ours_error is not None:  # only pass-through workers take what ours do not implement
-            workers = [w for w in workers if w.kind == "vllm"]
+            workers = [w for w in workers if w.passes_through]
             if not workers:
                 raise ours_error
         open_ = self._open(workers)
@@ -428,7 +428,7 @@ class Gateway:
         try:
             await self._let_prefetch_lead(pf)
             a = Attempt(prep, w, rec, rr, predicted, pf, reason=d.reason if chosen else "retry", tries=tries)
-            if w.kind == "vllm":
+            if w.passes_through:
                 return await self.passthrough.run(a, out)
             return await self.relay.run(a, out)
         except asyncio.CancelledError:  # the client left

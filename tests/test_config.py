@@ -49,7 +49,7 @@ def test_default_config_loads_and_matches_the_sim_profile() -> None:
     "data, where",
     [
         (_base(workers=[{"id": "w0", "url": "localhost:9000"}]), "workers.0.url"),
-        (_base(workers=[{"id": "w0", "url": "http://x:1", "kind": "sglang"}]), "workers.0.kind"),
+        (_base(workers=[{"id": "w0", "url": "http://x:1", "kind": "tgi"}]), "workers.0.kind"),
         (_base(workers=[{"id": "w0", "url": "http://x:1"}, {"id": "w0", "url": "http://x:2"}]), "duplicate worker id"),
         (_base(workers=[{"id": "w0", "url": "http://x:1", "model": "other"}]), "unknown model"),
         (_base(workers=[{"id": "w0", "url": "http://x:1", "events": {"endpoint": "localhost:5"}}]),

@@ -40,7 +40,7 @@ class FakeWorker:
     headers_delay_s: float = 0.0  # say nothing, not even the status line, for this long
     garbage: bool = False  # answer 200 with bodies / events that are not JSON
     stream_as_json: bool = False  # answer a stream request with one JSON body
-    kind: str = "kvroute"  # how the gateway's config registers it ("vllm": pass-through)
+    kind: str = "kvroute"  # how the gateway's config registers it ("vllm", "sglang": pass-through)
     token_delay_s: float = 0.0
     load: dict[str, Any] = field(default_factory=dict)
     completions: list[dict[str, Any]] = field(default_factory=list)
@@ -137,6 +137,14 @@ class FakeWorker:
             await reply(200, self.info())
         elif path == "/load":
             await reply(200, self.load_report())
+        elif path == "/metrics" and self.kind == "sglang":  # as SGLang exports it (--enable-metrics)
+            lr = self.load_report()
+            lb = 'model_name="m",engine_type="unified",tp_rank="0",pp_rank="0"'
+            text = (f'sglang:num_queue_reqs{{{lb}}} {lr["waiting_requests"]}\n'
+                    f'sglang:num_running_reqs{{{lb}}} {lr["running_requests"]}\n'
+                    f'sglang:token_usage{{{lb}}} 0.25\nsglang:num_used_tokens{{{lb}}} 2048.0\n')
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+            await send({"type": "http.response.body", "body": text.encode()})
         elif path == "/metrics":  # as vLLM exports it
             lr = self.load_report()
             text = (f'vllm:num_requests_waiting{{model_name="m"}} {lr["waiting_requests"]}\n'

@@ -182,6 +182,7 @@ def test_worker_stats_sum_every_counter_of_every_batch(monkeypatch):
     idx.add_worker("a", NS.digest, BS)
     idx.add_worker("b", NS.digest, BS, trusted_digests=True)
     idx.add_worker("c", NS.digest, BS)
+    idx.add_worker("d", NS.digest, BS // 2, max_pages=2)  # pages of half a block (kvindex/page_chain.py)
     batches = {
         "a": [
             [ours(t, 0, 2, "tape"), ours(t, 2, 4, parent_ok=False), BlockRemoved([ds[0], 777], "DISK")],
@@ -193,6 +194,12 @@ def test_worker_stats_sum_every_counter_of_every_batch(monkeypatch):
             [BlockRemoved([5], "GPU", 1), BlockStored([7], 6, t[2 * BS : 3 * BS], BS, None, "GPU", None,
                                                       None, 1, "sliding_window", 12)],
             [BlockStored([8, 9], None, t[: 4 * BS], BS, None, "GPU", None, None, 1, "sliding_window", 12)],
+        ],
+        "d": [  # pages outgrowing its bound, and a page shorter than the others
+            [BlockStored([11, 12, 13], None, t[: 3 * BS // 2], BS // 2, None, "GPU", None),
+             BlockStored([14], 13, t[3 * BS // 2 : 3 * BS // 2 + 1], 1, None, "GPU", None)],
+            # a release whose page hashes are its tokens' hash alone: nothing of it is credited
+            [BlockStored([hash(tuple(t[: BS // 2]))], None, t[: BS // 2], BS // 2, None, "GPU", None)],
         ],
     }
     seen = ApplyStats()

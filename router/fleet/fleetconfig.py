@@ -119,13 +119,18 @@ class EventsConfig(Strict):
         return v
 
 
+# SGLang's default `--page-size`: its radix cache publishes one event hash per token.
+SGLANG_PAGE_SIZE = 1
+
+
 class WorkerConfig(Strict):
     id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")
     url: str
-    kind: Literal["kvroute", "vllm"] = "kvroute"
+    kind: Literal["kvroute", "vllm", "sglang"] = "kvroute"
     model: str | None = None  # defaults to the only model
     events: EventsConfig | None = None  # kvroute: learned from /info unless given
-    block_size: int | None = Field(default=None, gt=0)  # vLLM engine block size (default: model's)
+    # a vLLM engine's block size or an SGLang engine's page size (default: the model's)
+    block_size: int | None = Field(default=None, gt=0)
     remote_group: str | None = None
     max_inflight: int | None = Field(default=None, gt=0)
     cost: CostConfig | None = None
@@ -137,11 +142,17 @@ class WorkerConfig(Strict):
 
     @model_validator(mode="after")
     def _ranks(self) -> WorkerConfig:
+        if self.kind == "sglang":
+            if self.block_size is None:
+                self.block_size = SGLANG_PAGE_SIZE
+            if self.events is not None and "topic" not in self.events.model_fields_set:
+                # SGLang's default topic is empty; an empty subscription takes every topic
+                self.events = self.events.model_copy(update={"topic": ""})
         if self.data_parallel_rank is not None and self.data_parallel_rank >= self.data_parallel_size:
             raise ValueError(f"data_parallel_rank {self.data_parallel_rank} is not below data_parallel_size "
                              f"{self.data_parallel_size}")
-        if (self.data_parallel_size > 1 or self.data_parallel_rank is not None) and self.kind != "vllm":
-            raise ValueError("data-parallel ranks are for kind: vllm workers")
+        if (self.data_parallel_size > 1 or self.data_parallel_rank is not None) and self.kind == "kvroute":
+            raise ValueError("data-parallel ranks are for kind: vllm or sglang workers")
         if self.data_parallel_size > 1 and self.data_parallel_rank is None and self.events is not None:
             for ep in (self.events.endpoint, self.events.replay_endpoint):
                 if ep is not None and not re.match(r"^(tcp://.+:\d+|inproc://.+)$", ep):

@@ -94,11 +94,11 @@ class Registration:
             w.view.supports_prefetch = False
             w.view.supports_peer_pull = False
             w.view.gpu_block_tokens = 0
-        if w.block_size % model.block_size:
+        if w.block_size % model.block_size and (w.kind != "sglang" or model.block_size % w.block_size):
             self.refuse(
                 w,
                 f"block size {w.block_size} is not a multiple of model {model.id!r}'s index block size "
-                f"{model.block_size}",
+                f"{model.block_size}" + (" nor a page size dividing it" if w.kind == "sglang" else ""),
                 "block_size",
             )
             return False

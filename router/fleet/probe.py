@@ -1,4 +1,4 @@
-"""Reading a worker over HTTP: `/health`, `/info`, `/load` (or vLLM's `/metrics`).
+"""Reading a worker over HTTP: `/health`, `/info`, `/load` (or vLLM's / SGLang's `/metrics`).
 
 Each read returns a typed answer or None with the reason left in `worker.last_error`,
 so the pool's state machine (router/fleet/pool.py) decides what a failure means.
@@ -13,6 +13,7 @@ from kvwire.info import info_decoder
 from kvwire.load import load_report_decoder
 
 from ..upstream import http1 as upstream
+from .sglang_load import parse_sglang_metrics, sglang_report
 from .vllm_load import parse_vllm_metrics, vllm_report
 from .worker import Worker
 
@@ -107,7 +108,7 @@ class Probe:
         return [n for n in names if isinstance(n, str)], adapters
 
     async def load(self, w: Worker) -> LoadReport | None:
-        """The worker's load: our `/load`, or a vLLM server's `/metrics` as a report."""
+        """The worker's load: our `/load`, or a vLLM or SGLang server's `/metrics` as a report."""
         if w.kind == "kvroute":
             body = await self.fetch(w, "/load")
             if body is None:
@@ -122,7 +123,10 @@ class Probe:
             return None
         try:
             rank = w.cfg.data_parallel_rank
-            return vllm_report(parse_vllm_metrics(body.decode(errors="replace"), None if rank is None else str(rank)))
+            text, r = body.decode(errors="replace"), None if rank is None else str(rank)
+            if w.kind == "sglang":
+                return sglang_report(parse_sglang_metrics(text, r), w.block_size or w.model.block_size)
+            return vllm_report(parse_vllm_metrics(text, r))
         except ValueError as e:
             w.last_error = f"/metrics: {e}"
             return None

@@ -27,6 +27,9 @@ from .credentials import head_lines, resolve
 from .dp_ranks import rank_headers
 from .fleetconfig import EventsConfig, WorkerConfig
 
+# Engines the gateway forwards the client's body to unchanged (docs/workers.md).
+PASS_THROUGH_KINDS = frozenset({"vllm", "sglang"})
+
 
 class State(StrEnum):
     PENDING = "pending"  # not registered yet (starting, or came back)
@@ -106,6 +109,11 @@ class Worker:
     @property
     def kind(self) -> str:
         return self.cfg.kind
+
+    @property
+    def passes_through(self) -> bool:
+        """A foreign engine (vLLM, SGLang): the client's body is forwarded unchanged."""
+        return self.cfg.kind in PASS_THROUGH_KINDS
 
     @property
     def trusted_digests(self) -> bool:

@@ -12,7 +12,7 @@ from typing import Any
 
 from kvindex.index import PrefixMatch
 
-from ..fleet.worker import Worker
+from ..fleet.worker import PASS_THROUGH_KINDS, Worker
 from ..planner.speedfit import Sample
 from ..planner.types import Policy
 from ..upstream.attempt import Attempt, Result
@@ -141,8 +141,10 @@ class Observer:
         if theirs is None:
             return
         w, n = a.worker, len(a.prep.ids)
-        sample = FidelitySample(theirs - n, None, max(w.block_size, 1))
-        if w.kind == "vllm" and res.cached_tokens is not None:
+        # a difference under one worker block, or one index block for an engine with smaller
+        # pages (SGLang caches any prefix, the index whole blocks), is rounding, not drift
+        sample = FidelitySample(theirs - n, None, max(w.block_size, a.prep.model.block_size, 1))
+        if w.kind in PASS_THROUGH_KINDS and res.cached_tokens is not None:
             bs = a.prep.model.block_size
             sample.cached_diff = res.cached_tokens - predicted_cached_tokens(match, bs, w.block_size, n)
             if sample.cached_diff >= sample.cached_tolerance:
@@ -168,7 +170,7 @@ class Observer:
 
 
 def predicted_cached_tokens(match: PrefixMatch | None, index_block: int, worker_block: int, prompt_tokens: int) -> int:
-    """Tokens a vLLM worker should report cached for this prompt, per the index: its leading
+    """Tokens a vLLM or SGLang worker should report cached for this prompt, per the index: its leading
     matched blocks in whole engine blocks, and never the last prompt token (an engine
     always computes at least that one)."""
     if match is None or worker_block <= 0:
