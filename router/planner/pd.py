@@ -231,13 +231,6 @@ class PairPolicyBase(PolicyBase):
                         estimates=[estimates[w.worker_id] for w in workers], ranked=ranked,
                         recompute_tokens=recompute, prefill_worker_id=chosen.prefill_worker, pd=pd)
 
-    def prefill_prediction(self, d: Decision) -> float | None:
-        """The predicted TTFT of the prefill leg of a pair decision (the prefill worker's own
-        first token), for calibrating that worker; None for other decisions."""
-        if d.pd is None or d.pd.chosen.kind != "pair":
-            return None
-        return d.pd.chosen.terms.get("prefill_ttft")
-
     def _pick(self, req: RouteRequest, ctx: RequestContext, workers: Sequence[WorkerView],
               options: list[PDOption]) -> tuple[PDOption, str]:
         raise NotImplementedError

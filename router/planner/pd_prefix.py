@@ -1,7 +1,8 @@
 """`pd_prefix`: the prefix-only pairing baseline: the prefill-capable worker holding the
 longest prefix of the prompt (ties: fewer outstanding requests), and the decode-capable
 worker with the fewest outstanding requests. On a fleet of `both` workers, the longest
-prefix alone. No bypass. Priced by pd.py like every pair policy. Reason: prefix."""
+prefix alone. No bypass while a pair is open (otherwise the cheapest option left). Priced
+by pd.py like every pair policy. Reason: prefix."""
 from __future__ import annotations
 
 from collections.abc import Sequence

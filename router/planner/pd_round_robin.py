@@ -1,6 +1,8 @@
 """`pd_round_robin`: the pairing baseline: the next prefill-capable worker in turn and the
 next decode-capable one in turn (two cursors); on a fleet of `both` workers, plain round
-robin. No bypass. Priced by pd.py like every pair policy. Reason: round_robin."""
+robin. No bypass while a pair is open: when every pair is closed (its prefill workers at
+their waiting cap), the cheapest option left. Priced by pd.py like every pair policy.
+Reason: round_robin."""
 from __future__ import annotations
 
 from collections.abc import Sequence
