@@ -257,12 +257,34 @@ def tiny_model_folder(dest: Path) -> Path:
     return dest
 
 
-def tiny_model_folder_in(python: Path, dest: Path) -> Path:
-    """tiny_model_folder run by another interpreter (the vLLM venv's, which has torch and
-    transformers), so the tests need no torch in the project's venv. The model is then built
-    by the transformers that vLLM will load it with."""
+def tiny_hybrid_model_folder(dest: Path, window: int = 64) -> Path:
+    """A tiny random Gemma-2 (4 layers alternating sliding-window and full attention, the
+    same sizes and tokenizer as tiny_model_folder) into `dest`: a hybrid model whose KV
+    cache vLLM splits into a sliding-window group and a full-attention group, each
+    publishing its own KV events (`group_idx`, `kv_cache_spec_kind`)."""
+    import torch
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(
+        vocab_size=8192, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, query_pre_attn_scalar=64, max_position_embeddings=8192,
+        sliding_window=window, initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = Gemma2ForCausalLM(config)
+    dest.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(dest, safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        shutil.copyfile(TOKENIZER_ASSETS / name, dest / name)
+    return dest
+
+
+def tiny_model_folder_in(python: Path, dest: Path, builder: str = "tiny_model_folder") -> Path:
+    """tiny_model_folder (or another builder here) run by another interpreter (the vLLM
+    venv's, which has torch and transformers), so the tests need no torch in the project's
+    venv. The model is then built by the transformers that vLLM will load it with."""
     code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import vllm_harness as h; "
-            f"from pathlib import Path; h.tiny_model_folder(Path({str(dest)!r}))")
+            f"from pathlib import Path; h.{builder}(Path({str(dest)!r}))")
     r = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=300,
                        env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"})
     if r.returncode != 0:
