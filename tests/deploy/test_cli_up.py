@@ -25,7 +25,7 @@ import pytest
 from kvroute.up import UpError, plan_ports
 from loadtest.ports import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _wait_ready(url: str, proc: subprocess.Popen[str], timeout: float = 90.0) -> None:

@@ -51,7 +51,7 @@ import pytest
 import yaml
 from hangs import patience
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
 DASHBOARD = ROOT / "configs" / "grafana" / "dashboards" / "kvroute.json"
 GRAFANA_PROVISIONING = ROOT / "configs" / "grafana" / "provisioning"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 README_MAX_LINES = 200
 
 # [text](target) and [text](target "title"); images too. Code spans and fenced blocks are

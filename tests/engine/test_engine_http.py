@@ -44,7 +44,7 @@ from workers.engine.testing import RedisServer, redis_binary
 from workers.engine.tiers import TierConfig
 from workers.fleetkeys import peer_bearer
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TOKEN = "peer-secret"
 
 

@@ -324,7 +324,7 @@ async def test_an_adapter_through_the_gateway(models: tuple[LoadedModel, LoadedM
                          calibrate=False)
     w = EngineWorker(engine, ServeOptions())
     await w.start()
-    repo = Path(__file__).resolve().parent.parent
+    repo = Path(__file__).resolve().parents[2]
     cfg = build_config({
         "models": [{"id": lm.model_id, "tokenizer": "assets/tiny-tokenizer", "profile": "tiny-cpu"}],
         "workers": [{"id": "w0", "url": w.url, "model": lm.model_id, "kind": "kvroute"}],

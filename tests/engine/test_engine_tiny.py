@@ -15,7 +15,7 @@ import pytest
 
 from workers.engine.tiny import DIGEST_FILE, WEIGHTS, tiny_model_dir, verified
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def digest_of(folder: Path) -> str:

@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import msgspec
 import pytest
+from worker_app import AliasedDriver, assert_error, client
 
 import workers.web.stream as stream_mod
 from kvwire import LoadReport, WorkerInfo
@@ -34,13 +35,6 @@ ROUTES = {
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
 
 
-class AliasedDriver(SimDriver):
-    """A simulated worker serving under an alias first, then the model id."""
-
-    def info(self) -> WorkerInfo:
-        return msgspec.structs.replace(super().info(), served_model_names=["alias", "test/model"])
-
-
 @pytest.fixture
 async def sim() -> AsyncIterator[SimDriver]:
     d = AliasedDriver(SimEngine("w0", make_profile(gpu_blocks=256, max_context_tokens=1024)))
@@ -51,23 +45,10 @@ async def sim() -> AsyncIterator[SimDriver]:
         await d.close()
 
 
-def client(app: Any) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://worker")
-
-
 @pytest.fixture
 async def http(sim: SimDriver) -> AsyncIterator[httpx.AsyncClient]:
     async with client(build_app(sim)) as c:
         yield c
-
-
-def assert_error(r: httpx.Response, status: int, param: str | None = None) -> dict[str, Any]:
-    assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"} and err["message"], err
-    if param is not None:
-        assert err["param"] == param, err
-    return dict(err)
 
 
 # ------------------------------------------------------------------ /openapi.json

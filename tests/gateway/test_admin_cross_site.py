@@ -8,8 +8,8 @@ from typing import Any
 
 import aiohttp
 import pytest
-from test_gateway_errors import ADMIN, DIGEST, _cfg, fleet
-from test_gateway_fakes import FakeWorker
+from fakes import FakeWorker
+from gateway_fleet import ADMIN, DIGEST, _cfg, fleet
 
 EVIL = "http://evil.example"
 

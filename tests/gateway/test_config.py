@@ -17,7 +17,7 @@ from kvindex.keys import Namespace
 from loadtest.ports import free_port
 from router.config import ConfigError, apply_env_overrides, build_config, load_config
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TOK = "configs/assets/tiny-tokenizer"
 
 

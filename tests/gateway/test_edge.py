@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from test_gateway_errors import _cfg
+from gateway_fleet import _cfg
 
 from router.server import running_gateway
 

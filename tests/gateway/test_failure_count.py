@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import aiohttp
-from test_gateway_errors import DIGEST, MODEL, _cfg, fleet
-from test_gateway_fakes import FakeWorker, serve_fake
+from fakes import FakeWorker, serve_fake
+from gateway_fleet import DIGEST, MODEL, _cfg, fleet
 
 from router.fleet.fleetconfig import WorkerConfig
 

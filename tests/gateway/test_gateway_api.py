@@ -15,8 +15,8 @@ import aiohttp
 import msgspec
 import openai
 import pytest
-from test_gateway_errors import DIGEST, MODEL, _cfg, client, fleet, wait_until
-from test_gateway_fakes import FakeWorker, serve_fake
+from fakes import FakeWorker, serve_fake
+from gateway_fleet import DIGEST, MODEL, _cfg, client, fleet, wait_until
 
 from router.config import Config
 from router.fleet.fleetconfig import WorkerConfig
@@ -170,7 +170,7 @@ async def test_pass_through_streams_and_bodies_come_back_as_sent() -> None:
     async with vllm_fleet([v]) as (_, url):
         # whole body: byte for byte what the worker sent
         st, got, _ = await _post(url, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 3})
-        from test_gateway_fakes import _whole
+        from fakes import _whole
 
         usage = v._usage(v.completions[-1], True, 3)
         assert st == 200 and got == msgspec.json.encode(_whole(True, 3, usage))
@@ -302,7 +302,7 @@ async def test_no_field_of_vllms_request_is_dropped(request_class: str) -> None:
     the vLLM worker unchanged, all of them in one request."""
     from pathlib import Path
 
-    spec = msgspec.json.decode((Path(__file__).parent / "data/vllm/request-fields-0.32.0.json").read_bytes())
+    spec = msgspec.json.decode((Path(__file__).parents[1] / "data/vllm/request-fields-0.32.0.json").read_bytes())
     names = [f["name"] for f in spec[request_class]["fields"]]
     assert len(names) > 50
     chat = request_class == "ChatCompletionRequest"

@@ -7,9 +7,9 @@ import time
 from typing import Any
 
 import pytest
+from fakes import FakeWorker
+from gateway_fleet import KEY, MODEL, _cfg, client, fleet, wait_until
 from hangs import patience
-from test_gateway_errors import KEY, MODEL, _cfg, client, fleet, wait_until
-from test_gateway_fakes import FakeWorker
 
 from kvindex.keys import Namespace
 from router.binding import Binder

@@ -6,8 +6,8 @@ import json
 from typing import Any
 
 import aiohttp
-from test_gateway_errors import DIGEST, MODEL, _cfg, fleet
-from test_gateway_fakes import FakeWorker
+from fakes import FakeWorker
+from gateway_fleet import DIGEST, MODEL, _cfg, fleet
 
 from router.intake.bodyrate import BodyRate
 from router.intake.screen import SCREEN_BYTES

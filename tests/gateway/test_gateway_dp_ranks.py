@@ -12,8 +12,8 @@ import pydantic
 import pytest
 import zmq
 import zmq.asyncio
-from test_gateway_errors import DIGEST, MODEL, _cfg, client, fleet, wait_until
-from test_gateway_fakes import FakeWorker, serve_fake
+from fakes import FakeWorker, serve_fake
+from gateway_fleet import DIGEST, MODEL, _cfg, client, fleet, wait_until
 
 from kvindex.events import BlockStored, EventEncoder, seq_to_bytes
 from router.fleet.dp_ranks import RANK_HEADER, expand_ranks, rank_headers

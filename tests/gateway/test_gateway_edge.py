@@ -8,8 +8,8 @@ from typing import Any
 import aiohttp
 import msgspec
 import pytest
-from test_gateway_errors import DIGEST, KEY, MODEL, _cfg, fleet
-from test_gateway_fakes import FakeWorker
+from fakes import FakeWorker
+from gateway_fleet import DIGEST, KEY, MODEL, _cfg, fleet
 
 
 async def _post(url: str, path: str, body: Any, headers: Any = None) -> tuple[int, bytes, dict[str, str]]:

@@ -8,8 +8,8 @@ from typing import Any
 
 import aiohttp
 import msgspec
-from test_gateway_errors import DIGEST, KEY, MODEL, _cfg, fleet
-from test_gateway_fakes import FakeWorker
+from fakes import FakeWorker
+from gateway_fleet import DIGEST, KEY, MODEL, _cfg, fleet
 
 _LEAKS = ("fake-", "127.0.0.1", "http://", "Traceback", "Error", "aiohttp")
 

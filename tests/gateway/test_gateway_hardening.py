@@ -11,9 +11,9 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
+from fakes import FakeWorker
+from gateway_fleet import DIGEST, MODEL, _cfg, client, fleet, wait_until
 from hangs import patience
-from test_gateway_errors import DIGEST, MODEL, _cfg, client, fleet, wait_until
-from test_gateway_fakes import FakeWorker
 
 
 def _pool(**over: Any) -> dict[str, Any]:

@@ -8,8 +8,8 @@ from array import array
 import aiohttp
 import openai
 import pytest
-from test_gateway_errors import DIGEST, MODEL, _cfg, client, fleet, wait_until
-from test_gateway_fakes import FakeWorker
+from fakes import FakeWorker
+from gateway_fleet import DIGEST, MODEL, _cfg, client, fleet, wait_until
 
 CHAT = [{"role": "user", "content": "Write a query."}]
 

@@ -26,9 +26,9 @@ import dns.rdatatype
 import dns.rrset
 import pytest
 import yaml
+from fakes import FakeWorker, serve_fake
+from gateway_fleet import MODEL, _cfg, fleet, wait_until
 from hangs import patience
-from test_gateway_errors import MODEL, _cfg, fleet, wait_until
-from test_gateway_fakes import FakeWorker, serve_fake
 
 from loadtest.ports import free_port
 from router.config import DiscoveryConfig
@@ -36,7 +36,7 @@ from router.fleet.discovery import Discovery, LookupFailed, resolve, worker_for
 from router.fleet.fleetconfig import WorkerConfig
 from router.telemetry.logs import JsonFormatter, client_request_id
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DIGEST_MODEL = MODEL
 
 
@@ -72,7 +72,7 @@ def _body(stream: bool = False) -> dict[str, Any]:
 
 
 async def test_the_clients_request_id_is_logged_echoed_and_sent_to_the_worker(request_lines: Any) -> None:
-    from test_gateway_errors import DIGEST
+    from gateway_fleet import DIGEST
 
     a = FakeWorker("a", DIGEST, cached_tokens=0)
     async with fleet([a]) as (_, url), aiohttp.ClientSession() as s:
@@ -100,7 +100,7 @@ async def test_the_clients_request_id_is_logged_echoed_and_sent_to_the_worker(re
 
 
 async def test_a_refused_request_is_logged_with_its_status(request_lines: Any) -> None:
-    from test_gateway_errors import DIGEST
+    from gateway_fleet import DIGEST
 
     a = FakeWorker("a", DIGEST, fail_status=400)
     async with fleet([a]) as (_, url), aiohttp.ClientSession() as s:
@@ -211,7 +211,7 @@ def _json_lines(lines: list[str]) -> list[dict[str, Any]]:
 
 
 async def test_sigterm_stops_taking_work_gracefully_and_exits_clean(tmp_path: Path) -> None:
-    from test_gateway_errors import DIGEST
+    from gateway_fleet import DIGEST
 
     slow = FakeWorker("a", DIGEST, token_delay_s=0.2)  # a 10-token stream lasts ~2 s
     port = free_port()
@@ -252,7 +252,7 @@ async def test_sigterm_stops_taking_work_gracefully_and_exits_clean(tmp_path: Pa
 
 
 async def test_sighup_reloads_the_worker_list_and_logs_the_diff(tmp_path: Path) -> None:
-    from test_gateway_errors import DIGEST
+    from gateway_fleet import DIGEST
 
     a, b = FakeWorker("a", DIGEST), FakeWorker("b", DIGEST)
     port = free_port()
@@ -294,7 +294,7 @@ async def test_sighup_reloads_the_worker_list_and_logs_the_diff(tmp_path: Path) 
 async def test_sighup_keeps_the_command_line_overrides(tmp_path: Path) -> None:
     """`--port` on the command line beats the file's `listen.port`, on SIGHUP as at start:
     a reload of an unchanged file reports no section needing a restart."""
-    from test_gateway_errors import DIGEST
+    from gateway_fleet import DIGEST
 
     a = FakeWorker("a", DIGEST)
     port = free_port()
@@ -314,7 +314,7 @@ async def test_sighup_keeps_the_command_line_overrides(tmp_path: Path) -> None:
 
 
 async def test_serve_processes_runs_replicas_on_one_port(tmp_path: Path) -> None:
-    from test_gateway_errors import DIGEST
+    from gateway_fleet import DIGEST
 
     a = FakeWorker("a", DIGEST)
     port = free_port()
@@ -398,7 +398,7 @@ def test_processes_needs_a_fixed_port(tmp_path: Path) -> None:
 
 
 async def test_workers_come_and_go_with_the_names_a_records() -> None:
-    from test_gateway_errors import DIGEST
+    from gateway_fleet import DIGEST
 
     a = FakeWorker("a", DIGEST)
     async with serve_fake(a):
@@ -507,11 +507,11 @@ def test_worker_for_fills_the_template() -> None:
 
 async def test_each_request_is_a_span_when_tracing_is_on() -> None:
     pytest.importorskip("opentelemetry.sdk", reason="the OpenTelemetry SDK (extra `otel`) is not installed")
+    from gateway_fleet import DIGEST
     from opentelemetry import trace
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-    from test_gateway_errors import DIGEST
 
     from router.telemetry.tracing import RequestTracer
 

@@ -10,9 +10,9 @@ from array import array
 from typing import Any
 
 import aiohttp
+from fakes import FakeWorker
+from gateway_fleet import DIGEST, MODEL, _cfg, client, fleet, wait_until
 from hangs import patience
-from test_gateway_errors import DIGEST, MODEL, _cfg, client, fleet, wait_until
-from test_gateway_fakes import FakeWorker
 
 from kvindex.events import BlockStored
 from kvindex.keys import digest64
@@ -81,7 +81,7 @@ async def test_no_prefetch_for_gpu_blocks_or_vllm_workers() -> None:
         _store(gw, "a", PROMPT, "GPU", 20)
         await client(url).completions.create(model=MODEL, prompt=PROMPT, max_tokens=1)
         assert not a.prefetches and len(a.completions) == 1
-    from test_gateway_fakes import serve_fake
+    from fakes import serve_fake
 
     async with serve_fake(v):
         cfg = _cfg()
@@ -153,7 +153,7 @@ async def test_inflight_accounting_and_metrics() -> None:
 async def test_admin_workers_drain_remove_add() -> None:
     a, b = FakeWorker("a", DIGEST), FakeWorker("b", DIGEST)
     async with fleet([a]) as (gw, url):
-        from test_gateway_fakes import serve_fake
+        from fakes import serve_fake
 
         async with serve_fake(b), aiohttp.ClientSession() as s:
             async with s.post(url + "/admin/workers", json={"id": "b", "url": b.url}) as r:
@@ -232,7 +232,7 @@ async def test_vllm_worker_events_in_bind_mode() -> None:
 
     import zmq
     import zmq.asyncio
-    from test_gateway_fakes import serve_fake
+    from fakes import serve_fake
 
     from kvindex.events import EventEncoder, seq_to_bytes
 
@@ -293,7 +293,7 @@ async def test_a_worker_cost_override_beats_its_reported_speeds() -> None:
     """An operator's `cost` block on a worker is a deliberate correction: polls never undo it."""
     from contextlib import AsyncExitStack
 
-    from test_gateway_fakes import serve_fake
+    from fakes import serve_fake
 
     from router.server import running_gateway
 
@@ -320,7 +320,7 @@ async def test_an_index_holding_more_than_the_worker_can_asks_for_the_stream_tai
     socket for what followed the last sequence it applied."""
     import zmq
     import zmq.asyncio
-    from test_gateway_fakes import serve_fake
+    from fakes import serve_fake
 
     from kvindex.events import END_SEQ, EventEncoder, seq_from_bytes, seq_to_bytes
     from loadtest.ports import free_port

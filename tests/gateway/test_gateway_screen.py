@@ -9,8 +9,8 @@ from typing import Any
 
 import aiohttp
 import pytest
-from test_gateway_errors import DIGEST, MODEL, _cfg, fleet
-from test_gateway_fakes import FakeWorker
+from fakes import FakeWorker
+from gateway_fleet import DIGEST, MODEL, _cfg, fleet
 
 import router.api.schema
 import router.intake.prepare

@@ -6,8 +6,8 @@ from typing import Any
 
 import aiohttp
 import pytest
-from test_gateway_errors import DIGEST, MODEL, _cfg, fleet, wait_until
-from test_gateway_fakes import FakeWorker
+from fakes import FakeWorker
+from gateway_fleet import DIGEST, MODEL, _cfg, fleet, wait_until
 
 from router.config import ConfigError
 from router.fleet.worker import State

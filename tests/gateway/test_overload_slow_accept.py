@@ -9,8 +9,8 @@ import json
 from typing import Any
 
 import pytest
-from test_gateway_errors import DIGEST, MODEL, _cfg, _raw, _shape, fleet
-from test_gateway_fakes import FakeWorker
+from fakes import FakeWorker
+from gateway_fleet import DIGEST, MODEL, _cfg, _raw, _shape, fleet
 
 from router.upstream.proxy import UpstreamError
 

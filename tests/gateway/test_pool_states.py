@@ -14,8 +14,8 @@ from typing import Any
 
 import aiohttp
 import pytest
-from test_gateway_errors import DIGEST, MODEL, _cfg, fleet, wait_until
-from test_gateway_fakes import FakeWorker, serve_fake
+from fakes import FakeWorker, serve_fake
+from gateway_fleet import DIGEST, MODEL, _cfg, fleet, wait_until
 
 from kvindex.events import BlockStored
 from kvindex.keys import digest64

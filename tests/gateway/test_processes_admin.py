@@ -18,13 +18,13 @@ from typing import Any
 
 import aiohttp
 import yaml
-from test_gateway_errors import DIGEST, MODEL
-from test_gateway_fakes import FakeWorker, serve_fake
+from fakes import FakeWorker, serve_fake
+from gateway_fleet import DIGEST, MODEL
 
 from loadtest.harden.cases.deploy import all_listening, children
 from loadtest.ports import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TRIES = 24
 HANG_S = 180.0
 
@@ -148,7 +148,7 @@ async def _restarted(pid: int, old: list[int], url: str) -> bool:
 async def test_a_worker_drained_before_it_registers_stays_drained() -> None:
     """A process applies a drain whatever the worker's state there (a replayed journal
     meets workers not registered yet): it registers as draining, never healthy."""
-    from test_gateway_errors import fleet, wait_until
+    from gateway_fleet import fleet, wait_until
 
     w = FakeWorker("early", DIGEST, health_status=500)
     async with fleet([w], ready=False) as (gw, _):

@@ -13,7 +13,7 @@ import statistics
 from contextlib import AsyncExitStack
 
 import aiohttp
-from test_gateway_sim import MODEL, _cfg, start_cluster, stop_cluster
+from sim_cluster import MODEL, _cfg, start_cluster, stop_cluster
 
 from router.server import running_gateway
 

@@ -20,7 +20,7 @@ from router.intake.tenancy import Tenancy
 from router.intake.tokenize import Tokenizer
 from router.telemetry.recorder import TraceRecorder
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TOK = ROOT / "configs/assets/tiny-tokenizer"
 SYSTEM = "You are a helpful assistant. " * 20
 

@@ -111,8 +111,8 @@ async def test_streams_alive_when_the_drain_ends_close_with_an_error_event(
         kind: str, caplog: pytest.LogCaptureFixture) -> None:
     """SIGTERM with six streams that outlive the drain: each ends with an SSE error event,
     `[DONE]` and the chunked body's last chunk; nothing is logged as a traceback."""
-    from test_gateway_errors import DIGEST, MODEL, _cfg
-    from test_gateway_fakes import FakeWorker, serve_fake
+    from fakes import FakeWorker, serve_fake
+    from gateway_fleet import DIGEST, MODEL, _cfg
 
     from router.api.app import GatewayAPI
     from router.fleet.fleetconfig import WorkerConfig

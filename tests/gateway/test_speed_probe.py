@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import aiohttp
 import pytest
-from test_gateway_errors import ADMIN, _cfg, fleet, wait_until
-from test_gateway_fakes import FakeWorker
+from fakes import FakeWorker
+from gateway_fleet import ADMIN, _cfg, fleet, wait_until
 
 from router.fleet.speed_probe import PROBE_TOKENS, probe_body, probe_lengths
 

@@ -13,9 +13,9 @@ import pytest
 
 from router.intake.tokenize import SegmentCache, Tokenizer, TokenizerError
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs/assets/tiny-tokenizer"
-REAL_LIKE = Path(__file__).resolve().parent / "data" / "tokenizers"
+REAL_LIKE = Path(__file__).resolve().parents[1] / "data" / "tokenizers"
 
 _WORDS = (
     "the quick brown fox jumps over lazy dogs def class return import yield async await "

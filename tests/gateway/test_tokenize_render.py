@@ -8,7 +8,7 @@ import pytest
 
 from router.intake.tokenize import Tokenizer
 
-ASSETS = Path(__file__).resolve().parent.parent / "configs/assets"
+ASSETS = Path(__file__).resolve().parents[2] / "configs/assets"
 PIECES = ["hello", " ", "\n", "{{ x }}", "{% if %}", "<|im_start|>", "<|eot_id|>", "ünï", "'q'", '"d"', "\t", "  a  "]
 
 

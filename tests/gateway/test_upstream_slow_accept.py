@@ -40,7 +40,7 @@ async def test_idle_connections_expire_before_a_workers_server_closes_them() -> 
     """vLLM's and our workers' uvicorn close idle keep-alive connections after 5 s; a request
     written into one just as it closes fails before its first byte. The gateway drops idle
     connections sooner (both of its clients)."""
-    from test_gateway_errors import _cfg
+    from gateway_fleet import _cfg
 
     from router.server import running_gateway
     from router.upstream import http1 as upstream

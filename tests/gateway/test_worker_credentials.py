@@ -11,8 +11,8 @@ import aiohttp
 import openai
 import pydantic
 import pytest
-from test_gateway_errors import DIGEST, MODEL, _cfg, client
-from test_gateway_fakes import FakeWorker, serve_fake
+from fakes import FakeWorker, serve_fake
+from gateway_fleet import DIGEST, MODEL, _cfg, client
 
 from router.fleet.credentials import AuthConfig, CredentialError, head_lines, resolve
 from router.fleet.fleetconfig import WorkerConfig

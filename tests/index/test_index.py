@@ -560,7 +560,7 @@ def test_a_recorded_vllm_event_sequence_applies_cleanly() -> None:
 
     import msgspec
 
-    rec = msgspec.msgpack.decode((Path(__file__).parent / "data/vllm/events-0.32.0.msgpack").read_bytes())
+    rec = msgspec.msgpack.decode((Path(__file__).parents[1] / "data/vllm/events-0.32.0.msgpack").read_bytes())
     ns = Namespace("tiny", block_size=16)
     idx = PrefixIndex(16)
     idx.add_worker("v", ns.digest, 32)

@@ -36,7 +36,7 @@ from loadtest.harden.outcome import (
 from loadtest.harden.procs import Procs
 from loadtest.harden.runner import CASES, Settings, run_suite
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # A subset of `small` that fits the default run (~2 minutes when the cases pass).
 QUICK = ("burst_at_start", "hanging_worker", "special_tokens", "tenant_probe", "admin_ipc_bind", "admin_ssrf",

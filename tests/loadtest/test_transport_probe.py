@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 _spec = importlib.util.spec_from_file_location(
-    "transport_probe", Path(__file__).resolve().parent.parent / "bench" / "transport_probe.py")
+    "transport_probe", Path(__file__).resolve().parents[2] / "bench" / "transport_probe.py")
 assert _spec is not None and _spec.loader is not None
 probe = importlib.util.module_from_spec(_spec)
 sys.modules["transport_probe"] = probe  # dataclasses look their module up

@@ -26,7 +26,7 @@ from router.planner.kv_cost_tuning import KVCostTuning
 from router.planner.true_state import TrueStatePolicy
 from router.planner.types import CostParams, Decision, Estimate, Link, RouteRequest, WorkerView
 
-GOLDEN = Path(__file__).resolve().parent / "data" / "planner_cost_golden.json"
+GOLDEN = Path(__file__).resolve().parents[1] / "data" / "planner_cost_golden.json"
 SEED = 2026
 CASES = 48
 LOCAL = (Tier.GPU, Tier.CPU, Tier.DISK, Tier.REMOTE)

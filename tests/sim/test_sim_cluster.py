@@ -14,7 +14,7 @@ from pathlib import Path
 
 from router.intake.tokenize import Tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 QWEN_LIKE = ROOT / "tests" / "data" / "tokenizers" / "qwen2.5-style"
 
 

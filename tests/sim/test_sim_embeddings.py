@@ -11,8 +11,8 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from test_gateway_sim import _cfg, cluster, gateway  # noqa: F401  (the module-scoped sim cluster)
-from test_worker_openapi import AliasedDriver, assert_error, client
+from sim_cluster import _cfg, gateway
+from worker_app import AliasedDriver, assert_error, client
 
 from workers.app import build_app
 from workers.sim.embed import DIMS

@@ -22,7 +22,7 @@ from workers.sim.profile import CONFIGS_DIR, load_profile
 from workers.sim.testing import make_profile
 from workers.tokenizer import SimTokenizer, TokenizerError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FOLDERS = {
     "tiny": ROOT / "configs" / "assets" / "tiny-tokenizer",
     "llama3-style": ROOT / "tests" / "data" / "tokenizers" / "llama3-style",

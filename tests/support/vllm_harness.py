@@ -36,7 +36,7 @@ import zmq
 if TYPE_CHECKING:
     import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TOKENIZER_ASSETS = ROOT / "configs" / "assets" / "tiny-tokenizer"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 

@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from router.fleet.vllm_load import VllmLoad, parse_vllm_metrics
 
-DATA = Path(__file__).parent / "data" / "vllm" / "metrics-0.32.0.txt"
+DATA = Path(__file__).parents[1] / "data" / "vllm" / "metrics-0.32.0.txt"
 
 
 def _reference(text: str) -> VllmLoad:

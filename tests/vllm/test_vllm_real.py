@@ -25,7 +25,7 @@ import openai
 import pytest
 import vllm_harness as vh
 import zmq
-from test_gateway_errors import wait_until
+from gateway_fleet import wait_until
 
 from kvindex.events import BlockStored, EventDecoder
 from router.config import build_config
