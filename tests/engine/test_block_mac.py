@@ -1,6 +1,6 @@
 """The keyed MAC of blocks that leave a worker (workers/engine/store/mac.py), and the
 REMOTE store refusing values whose MAC does not verify. Needs redis-server for the store
-part (skipped loudly otherwise, like tests/test_engine_store.py)."""
+part (skipped loudly otherwise, like tests/engine/test_engine_store.py)."""
 from __future__ import annotations
 
 import hashlib

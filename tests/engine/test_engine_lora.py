@@ -23,8 +23,8 @@ from typing import Any
 import aiohttp
 import pytest
 import torch
+from engine_rig import _redis, below_cpu, make_core, prompt, run, to_cpu
 from safetensors.torch import load_file, save_file
-from test_engine_tiers import _redis, below_cpu, make_core, prompt, to_cpu
 
 from kvindex.events import BlockStored
 from kvindex.tiers import Tier
@@ -103,35 +103,6 @@ def check_exact(refs: dict[str | None, Any], lora: str | None, ids: list[int], t
     ref_toks, ref_logits = reference(refs[lora], ids, len(toks))
     assert toks == ref_toks
     assert torch.allclose(logits, ref_logits, atol=1e-4), (logits - ref_logits).abs().max()
-
-
-def run(core: EngineCore, reqs: list[tuple[str, list[int], str | None]],
-        params: SamplingParams = GREEDY) -> dict[str, tuple[list[int], torch.Tensor, Sequence]]:
-    """Run requests together to the end: per id its tokens, the logits of its first token, its sequence."""
-    seqs = {rid: core.new_sequence(rid, ids, params, lora=lora) for rid, ids, lora in reqs}
-    with core.lock:
-        for s in seqs.values():
-            core.add(s)
-    toks: dict[str, list[int]] = {rid: [] for rid in seqs}
-    first: dict[str, torch.Tensor] = {}
-    deadline = time.monotonic() + 120
-    while any(rid in core.seqs for rid in seqs):
-        assert time.monotonic() < deadline, "requests did not finish"
-        with core.wake:
-            plan = core.schedule()
-            while plan.empty and core.scheduler.loading:
-                core.wake.wait(0.05)
-                plan = core.schedule()
-        if plan.empty:
-            continue
-        res = core.execute(plan)
-        for rid, s in seqs.items():
-            if rid not in first and s in res.logits:
-                first[rid] = res.logits[s].float().cpu().clone()
-        with core.lock:
-            for u in core.commit(plan, res):
-                toks[u.seq.request_id] += u.token_ids
-    return {rid: (toks[rid], first[rid], s) for rid, s in seqs.items()}
 
 
 def serve(core: EngineCore, rid: str, ids: list[int], lora: str | None) -> tuple[list[int], torch.Tensor, Sequence]:

@@ -16,8 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_engine_lora import run
-from test_engine_tiers import _redis, below_cpu, make_core, prompt, to_cpu
+from engine_rig import _redis, below_cpu, make_core, prompt, run, to_cpu
 
 from kvindex.events import BlockRemoved, BlockStored
 from kvindex.index import PrefixIndex

@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import errno
 import os
-import random
 import time
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from engine_rig import BLOCK, TOKEN, _redis, below_cpu, make_core, prompt, to_cpu
 from hangs import HANG_S
 
 from kvindex.events import BlockRemoved, BlockStored, KVEvent
@@ -29,13 +28,11 @@ from workers.engine.core import EngineCore
 from workers.engine.engineconfig import EngineConfig
 from workers.engine.model import LoadedModel, ModelSpec, load_model
 from workers.engine.sequence import SamplingParams, Sequence
-from workers.engine.store.disk import DiskConfig
-from workers.engine.testing import RedisServer, redis_binary
+from workers.engine.testing import RedisServer
 from workers.engine.tiers import TierConfig
 from workers.errors import BadRequest, PrefetchQueueFull
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
-BLOCK = 16
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
@@ -55,52 +52,12 @@ def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     yield from _redis(tmp_path_factory.mktemp("redis"))
 
 
-def _redis(workdir: Path) -> Iterator[RedisServer]:
-    pytest.importorskip("redis")
-    if redis_binary() is None:
-        msg = "!!! REMOTE TIER TESTS SKIPPED: no redis-server on PATH; the REMOTE tier was NOT tested !!!"
-        warnings.warn(msg, stacklevel=1)
-        pytest.skip(msg)
-    server = RedisServer(workdir).start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-_groups = iter(range(1_000_000))
-
-
-def make_core(lm: LoadedModel, tmp: Path, *, redis: RedisServer | None = None, cpu_blocks: int = 128,
-              disk: bool = False, disk_dir: Path | None = None, num_blocks: int = 96, admit_after: int = 1,
-              disk_bytes: int = 16 << 20, group: str | None = None, **kw: Any) -> EngineCore:
-    bb = lm.kv.token_bytes * BLOCK
-    remote = None
-    if redis is not None:
-        from workers.engine.store.remote import RedisConfig
-
-        remote = RedisConfig(port=redis.port, group=group or f"t{next(_groups)}-{os.getpid()}")
-        kw.setdefault("peer_token", TOKEN)  # REMOTE blocks carry a MAC keyed with the fleet secret
-    dcfg = None
-    if disk:
-        dcfg = DiskConfig(disk_dir or tmp / "disk", disk_bytes, segment_bytes=min(4 << 20, disk_bytes // 2),
-                          admit_after=admit_after)
-    tiers = TierConfig(cpu_bytes=cpu_blocks * bb, disk=dcfg, remote=remote, **kw)
-    return EngineCore(lm, EngineConfig(num_blocks=num_blocks, max_num_batched_tokens=512, max_waiting=16,
-                                       tiers=tiers))
-
-
 @pytest.fixture
 def cores() -> Iterator[list[EngineCore]]:
     made: list[EngineCore] = []
     yield made
     for c in made:
         c.close()
-
-
-def prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 8192) for _ in range(n)]
 
 
 def reference(lm: LoadedModel, ids: list[int], n: int) -> tuple[list[int], torch.Tensor]:
@@ -169,20 +126,6 @@ def warm(core: EngineCore) -> list[bytes]:
     """Compute BASE once (its blocks registered on GPU); the 31 keys a request for IDS reuses."""
     serve(core, "warm", BASE)
     return core.new_sequence("k", IDS, GREEDY).keys[:31]
-
-
-def to_cpu(core: EngineCore) -> None:
-    assert core.tiers is not None
-    with core.lock:
-        core.blocks.evict_cached()
-    assert core.tiers.drain()
-
-
-def below_cpu(core: EngineCore) -> None:
-    """Everything on GPU down to CPU, then everything on CPU further down (DISK / REMOTE only)."""
-    to_cpu(core)
-    assert core.tiers is not None
-    core.tiers.demote_all()
 
 
 def check_exact(lm: LoadedModel, toks: list[int], logits: torch.Tensor, ids: list[int] = IDS) -> None:
@@ -546,9 +489,6 @@ def test_prefetch_queue_bound_cancel_and_deadline(lm: LoadedModel, tmp_path: Pat
 
 
 # ---------------------------------------------------------------------------------- peers
-
-
-TOKEN = "peer-secret"
 
 
 async def peer_worker(lm: LoadedModel) -> Any:

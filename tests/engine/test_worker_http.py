@@ -4,7 +4,7 @@ extension, /v1/models (OpenAI SDK), /load, /info, /kv/prefetch (+ cancel, + peer
 and across processes), /kv/blocks auth, /kv/purge, /health, /metrics, OpenAI-shaped
 errors, client disconnects, and a ZMQ subscriber receiving the worker's KV events (and
 replaying them). The FastAPI side (/openapi.json, tokenizer, fields rule, direct lane):
-tests/test_worker_openapi.py."""
+tests/engine/test_worker_openapi.py."""
 from __future__ import annotations
 
 import asyncio

@@ -1,6 +1,6 @@
 """The gateway's HTTP surface on FastAPI and the transparent pass-through to vLLM workers.
 
-Fake workers (tests/test_gateway_fakes.py) answer as vLLM does; the official `openai`
+Fake workers (tests/support/fakes.py) answer as vLLM does; the official `openai`
 SDK and raw HTTP check that what a vLLM worker receives is the client's body plus
 only what routing adds, that what the client receives is what the worker sent, and
 that the gateway's own surface (OpenAPI, models, tokenize, errors) is complete.

