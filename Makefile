@@ -105,28 +105,28 @@ MUT_SRC    := router kvindex kvwire kvroute loadtest workers
 MUT_COPY   := configs bench scripts
 # What each group mutates, and the tests that exercise it (those importing it or driving it in-process).
 MUT_only_planner       := router/planner/*
-MUT_tests_planner       = $(wildcard tests/test_planner_*.py)
+MUT_tests_planner       = $(wildcard tests/planner/test_planner_*.py)
 MUT_only_kvindex       := kvindex/*
-MUT_tests_kvindex       = $(wildcard tests/test_index*.py tests/test_ingest.py tests/test_events.py tests/test_keys.py)
+MUT_tests_kvindex       = $(wildcard tests/index/test_*.py)
 MUT_only_kvwire        := kvwire/*
-MUT_tests_kvwire        = $(wildcard tests/test_planner_fleet.py tests/test_worker_openapi.py tests/test_router_units.py \
-                            tests/test_gateway_api.py tests/test_gateway_hardening.py)
+MUT_tests_kvwire        = $(wildcard tests/planner/test_planner_fleet.py tests/engine/test_worker_openapi.py tests/gateway/test_router_units.py \
+                            tests/gateway/test_gateway_api.py tests/gateway/test_gateway_hardening.py)
 MUT_only_gateway_pool  := router/gateway*.py router/fleet/pool*.py router/intake/prepare.py router/intake/keyplan.py \
                           router/upstream/prefetch.py router/upstream/attempt.py router/upstream/relay.py
-MUT_tests_gateway_pool  = $(filter-out tests/test_gateway_sim.py,$(wildcard tests/test_gateway_*.py tests/test_pool_*.py \
-                            tests/test_router_units.py))
-# Left out: tests/test_gateway_sim.py (a simulated cluster in a child process, whose timing on a
+MUT_tests_gateway_pool  = $(filter-out tests/gateway/test_gateway_sim.py,$(wildcard tests/gateway/test_gateway_*.py tests/gateway/test_pool_*.py \
+                            tests/gateway/test_fake_worker.py tests/gateway/test_router_units.py))
+# Left out: tests/gateway/test_gateway_sim.py (a simulated cluster in a child process, whose timing on a
 # busy machine makes its cache assertions fail at random: a random failure aborts mutmut's stats
 # run, or counts as a kill); tests that run the gateway as a child process (signals, replicas on
 # one port): a mutant is not reliably active in a child, and under mutmut's stats run such a test
 # can hang; and one that bounds its own wall time tightly (2 s), which mutmut's tracing exceeds.
-MUT_skip_gateway_pool  := tests/test_gateway_hardening.py::test_a_prompt_too_long_by_its_characters_is_refused_unread \
-                          tests/test_gateway_ops.py::test_sigterm_stops_taking_work_gracefully_and_exits_clean \
-                          tests/test_gateway_ops.py::test_sighup_reloads_the_worker_list_and_logs_the_diff \
-                          tests/test_gateway_ops.py::test_serve_processes_runs_replicas_on_one_port \
-                          tests/test_gateway_ops.py::test_processes_needs_a_fixed_port
+MUT_skip_gateway_pool  := tests/gateway/test_gateway_hardening.py::test_a_prompt_too_long_by_its_characters_is_refused_unread \
+                          tests/gateway/test_gateway_ops.py::test_sigterm_stops_taking_work_gracefully_and_exits_clean \
+                          tests/gateway/test_gateway_ops.py::test_sighup_reloads_the_worker_list_and_logs_the_diff \
+                          tests/gateway/test_gateway_ops.py::test_serve_processes_runs_replicas_on_one_port \
+                          tests/gateway/test_gateway_ops.py::test_processes_needs_a_fixed_port
 MUT_only_router_model  := loadtest/router_model.py
-MUT_tests_router_model  = $(wildcard tests/test_loadtest_simulate.py tests/test_router_model_*.py)
+MUT_tests_router_model  = $(wildcard tests/loadtest/test_loadtest_simulate.py tests/loadtest/test_router_model_*.py)
 MUT      := $(abspath $(VENV))/bin/mutmut
 MUT_PY   := $(abspath $(PY))
 toml_list = [$(foreach x,$(1),"$(x)",)]

@@ -47,7 +47,7 @@ from typing import Any, Protocol
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "support"))
 import vllm_harness as vh  # noqa: E402
 from engine_fleet import EngineFleet, metric_sums  # noqa: E402  (the same directory: a sibling module)
 

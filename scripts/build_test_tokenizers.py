@@ -1,6 +1,6 @@
 """Build the test tokenizers: tests/data/tokenizers/{llama3-style,qwen2.5-style}/.
 
-tests/test_tokenize.py proves cached == uncached tokenization on tokenizers built the
+tests/gateway/test_tokenize.py proves cached == uncached tokenization on tokenizers built the
 way real model tokenizers are, without shipping (or downloading) a model's files. So
 this script trains two small byte-level BPE tokenizers with `tokenizers` whose every
 structural part copies a real one; only the vocabulary (4,096 ids) is small:

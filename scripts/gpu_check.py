@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/gpu_check.py [--bench-sizes 1024,4096,8192] [--runs 3] [--no-bench]
 
-1. The tier correctness tests on CUDA (tests/test_engine_tiers.py, its `cuda` cases): a
+1. The tier correctness tests on CUDA (tests/engine/test_engine_tiers.py, its `cuda` cases): a
    prefix from GPU, CPU (pinned host memory, D2H on the offload stream), DISK, REMOTE (if
    redis-server is on PATH) and a peer gives the greedy tokens of a full recompute and
    last logits within 1e-3 (fp32); every fault case; prefetch. Each case also runs on CPU
@@ -42,7 +42,7 @@ def main() -> int:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     t0 = time.monotonic()
     tests = subprocess.call(
-        [sys.executable, "-m", "pytest", "tests/test_engine_tiers.py", "-k", "cuda", "-q", "-rs",
+        [sys.executable, "-m", "pytest", "tests/engine/test_engine_tiers.py", "-k", "cuda", "-q", "-rs",
          "-o", "addopts=", "-p", "no:cacheprovider"], cwd=ROOT, env=env)
     print(f"gpu_check: CUDA tier tests {'passed' if tests == 0 else 'FAILED'} ({time.monotonic() - t0:.0f} s)",
           flush=True)

@@ -32,7 +32,7 @@ import msgspec
 import zmq
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "support"))
 import vllm_harness as vh  # noqa: E402
 
 DATA = ROOT / "tests" / "data" / "vllm"

@@ -1,9 +1,18 @@
 """Suite-wide test settings."""
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import Any
 
 from hypothesis import settings
+
+# The shared fakes and fixtures (tests/support/) are imported by module name from every subject
+# folder (`from fakes import FakeWorker`); pytest puts only each test file's own folder on the path.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
+
+# The simulated cluster fixture (module-scoped: one cluster per test module that asks for it).
+from sim_cluster import cluster  # noqa: E402, F401
 
 # The machine running CI is small and shared: a property test must fail on a wrong
 # answer, never on a slow example.

@@ -35,7 +35,7 @@ def parse_vllm_metrics(text: str, engine: str | None = None) -> VllmLoad:
 
     Reads only the samples it needs, found by name in the text: a vLLM server's
     `/metrics` is ~50 KB of histograms, and prometheus_client's full parse took 8.7 ms per
-    poll against 73 us for this, on the recorded text tests/test_vllm_metrics.py checks it
+    poll against 73 us for this, on the recorded text tests/vllm/test_vllm_metrics.py checks it
     against (the full parser stays the reference there)."""
     if engine is not None and not any(_label(lb, "engine") == engine for lb, _ in _samples(text, _WAITING)):
         engine = None

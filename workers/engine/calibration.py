@@ -20,7 +20,7 @@ The printed compute values are the fitted minimums times `--typical` (default 1.
 minimum is the engine undisturbed, a shared machine usually runs a little slower, and the
 profile should describe the usual, so that the check's +-25% brackets what a run sees
 (loads are medians already and printed as fitted).
-tests/test_sim_profiles.py measures a few of these points again and checks the profile
+tests/sim/test_sim_profiles.py measures a few of these points again and checks the profile
 predicts them within 25%.
 """
 from __future__ import annotations

@@ -5,7 +5,7 @@ is the budget's business) and every one-token sequence (decodes, and prompts cac
 to their last token) as one batched forward, rows left-padded to the longest context
 with an attention mask and explicit positions. Measured on a 2-core CPU host (tiny model): padding
 costs little next to one forward per sequence, and the results equal each sequence run
-alone to ~1e-5 (tests/test_engine_core.py).
+alone to ~1e-5 (tests/engine/test_engine_core.py).
 
 A model whose every layer attends within a window gets only the window's tokens as
 context (the rows right-aligned as before, so the model's sliding-window mask, which
