@@ -19,7 +19,7 @@ from typing import Any
 import openai
 import pytest
 import vllm_harness as vh
-from test_gateway_errors import wait_until
+from gateway_fleet import wait_until
 
 from router.config import build_config
 from router.server import running_gateway

@@ -1,18 +1,12 @@
 """Pages smaller than the index block (SGLang's), assembled into index blocks
 (kvindex/page_chain.py), fed with events built to SGLang's own structs
-(tests/sglang_fixtures.py) and decoded by our codec."""
+(tests/support/sglang_fixtures.py) and decoded by our codec."""
 from __future__ import annotations
 
 import random
 
 import pytest
-
-from kvindex.errors import BadBlockSize
-from kvindex.events import BlockRemoved, BlockStored, EventDecoder
-from kvindex.index import PrefixIndex
-from kvindex.keys import BlockHasher, Namespace, digests64
-from kvindex.tiers import Tier
-from tests.sglang_fixtures import (
+from sglang_fixtures import (
     SgAllBlocksCleared,
     SgBlockStored,
     encode_batch,
@@ -20,6 +14,12 @@ from tests.sglang_fixtures import (
     removed_pages,
     stored_pages,
 )
+
+from kvindex.errors import BadBlockSize
+from kvindex.events import BlockRemoved, BlockStored, EventDecoder
+from kvindex.index import PrefixIndex
+from kvindex.keys import BlockHasher, Namespace, digests64
+from kvindex.tiers import Tier
 
 NS = Namespace("m", block_size=16)
 DEC = EventDecoder()

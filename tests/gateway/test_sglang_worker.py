@@ -1,7 +1,7 @@
 """`kind: sglang` workers: config, load from SGLang's `/metrics`, and a fake SGLang server
 whose KV events (SGLang's structs, pages of one token, published over ZMQ as SGLang's
 publisher does) make a repeated prompt go to it. SGLang itself is not installed here: the
-events are built to its structs (tests/sglang_fixtures.py), the metrics to its collector's
+events are built to its structs (tests/support/sglang_fixtures.py), the metrics to its collector's
 gauge names."""
 from __future__ import annotations
 
@@ -13,14 +13,14 @@ import pydantic
 import pytest
 import zmq
 import zmq.asyncio
-from test_gateway_errors import DIGEST, MODEL, _cfg, client, fleet, wait_until
-from test_gateway_fakes import FakeWorker, serve_fake
+from fakes import FakeWorker, serve_fake
+from gateway_fleet import DIGEST, MODEL, _cfg, client, fleet, wait_until
+from sglang_fixtures import encode_batch, stored_pages
 
 from kvindex.events import seq_to_bytes
 from router.fleet.dp_ranks import RANK_HEADER, expand_ranks, rank_headers
 from router.fleet.fleetconfig import WorkerConfig
 from router.fleet.sglang_load import parse_sglang_metrics, sglang_report
-from tests.sglang_fixtures import encode_batch, stored_pages
 
 # As SGLang's collector writes them: HELP/TYPE, labels model_name, engine_type and the
 # scheduler's ranks; the tensor-parallel ranks of one DP rank report the same figures.
