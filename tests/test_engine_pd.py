@@ -9,6 +9,8 @@ or stale parameters are clean 4xx/5xx errors."""
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
 import re
 import socket
 import time
@@ -19,7 +21,9 @@ from typing import Any
 import pytest
 import torch
 
+from workers.api import RECORDS_MEDIA_TYPE
 from workers.engine.model import LoadedModel, ModelSpec, load_model
+from workers.fleetkeys import peer_bearer
 
 TOKEN = "pd-fleet-secret"
 BLOCK = 16
@@ -69,6 +73,11 @@ def body(max_tokens: int = 8, **kw: Any) -> dict[str, Any]:
 
 async def post(http: Any, url: str, b: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     async with http.post(url + "/v1/completions", json=b) as r:
+        return r.status, await r.json()
+
+
+async def post_chat(http: Any, url: str, b: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    async with http.post(url + "/v1/chat/completions", json=b) as r:
         return r.status, await r.json()
 
 
@@ -136,6 +145,32 @@ async def test_prefill_then_decode_equals_one_worker(lm: LoadedModel, http: Any)
         assert await metric(http, p.url, "kvroute_worker_pd_pins_expired_total") == 0
         assert await metric(http, d.url, "kvroute_worker_pd_pinned_blocks") == 0
         assert d.engine.core.blocks.used() - len(d.engine.core.blocks.cached) == 0  # nothing held on D
+
+        # chat, the decode streamed: the same exchange, the usage chunk reports the pull
+        chat = {"messages": [{"role": "user", "content": "tell me a long story about blocks " * 4}],
+                "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        status, ref_chat = await post_chat(http, both.url, chat)
+        assert status == 200, ref_chat
+        async with http.post(p.url + "/v1/chat/completions",
+                             json={**chat, "max_tokens": 1, "stream": True, "kv_transfer_params": VLLM_PREFILL}) as r:
+            assert r.status == 200
+            events = [json.loads(line[6:]) for line in (await r.text()).splitlines()
+                      if line.startswith("data: {")]
+        ckvt = events[-1]["kv_transfer_params"]  # streamed: on the finish chunk
+        assert ckvt["remote_engine_id"] == "p" and events[-1]["choices"][0]["finish_reason"] == "length"
+        n = len(ckvt["remote_block_ids"])
+        assert n >= 2 and ckvt["kvroute_tokens"] == n * BLOCK
+        async with http.post(d.url + "/v1/chat/completions",
+                             json={**chat, "stream": True, "stream_options": {"include_usage": True},
+                                   "kv_transfer_params": ckvt}) as r:
+            assert r.status == 200
+            events = [json.loads(line[6:]) for line in (await r.text()).splitlines()
+                      if line.startswith("data: {")]
+        text = "".join(e["choices"][0]["delta"].get("content", "") for e in events if e["choices"])
+        assert text == ref_chat["choices"][0]["message"]["content"]
+        assert events[-1]["usage"]["kv"]["loaded_tokens"]["PEER"] == n * BLOCK
+        assert await wait_metric(http, p.url, "kvroute_worker_pd_pinned_blocks", 0, 5.0) == 0
+        assert await metric(http, p.url, "kvroute_worker_pd_pins_pulled_total") == 2
     finally:
         for w in (p, d, both):
             await w.stop()
@@ -154,13 +189,23 @@ async def test_pins_are_released_after_the_bound_when_no_decode_pulls(lm: Loaded
         status, first = await post(http, p.url, body(1, kv_transfer_params=VLLM_PREFILL))
         assert status == 200, first
         assert await metric(http, p.url, "kvroute_worker_pd_pinned_blocks") == 4
-        # the decode worker died before pulling: the pins go back within the bound
+        # a decode worker that only listed the blocks, or pulled half of them, then died
+        kvt = first["kv_transfer_params"]
+        keys = [bytes.fromhex(k) for k in kvt["remote_block_ids"]]
+        auth = {"Authorization": f"Bearer {peer_bearer(TOKEN)}"}
+        async with http.post(p.url + "/kv/blocks", json={"keys_b64": base64.b64encode(b"".join(keys)).decode()},
+                             headers=auth) as r:
+            assert r.status == 200 and len((await r.json())["blocks"]) == 4
+        async with http.post(p.url + "/kv/blocks", json={"keys_b64": base64.b64encode(b"".join(keys[:2])).decode()},
+                             headers={**auth, "Accept": RECORDS_MEDIA_TYPE}) as r:
+            assert r.status == 200 and len(await r.read()) > 2 * p.engine.core.pool.block_bytes
+        assert await metric(http, p.url, "kvroute_worker_pd_pinned_blocks") == 4
+        # the pins go back within the bound
         assert await wait_metric(http, p.url, "kvroute_worker_pd_pinned_blocks", 0, 3.0) == 0
         assert await metric(http, p.url, "kvroute_worker_pd_pins_expired_total") == 1
         assert p.engine.core.blocks.available() == p.engine.core.blocks.num_blocks
 
         # the prefill worker gone: the decode side answers a clean 502, holds nothing, serves on
-        kvt = first["kv_transfer_params"]
         await p.stop()
         status, err = await post(http, d.url, body(kv_transfer_params=kvt))
         assert status == 502, err
