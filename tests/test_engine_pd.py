@@ -284,3 +284,30 @@ def test_role_flags(lm: LoadedModel) -> None:
     assert check_arguments(ap.parse_args([*common, "--pd-pin-s", "0"])) == "--pd-pin-s must be positive"
     with pytest.raises(SystemExit):
         ap.parse_args([*common, "--role", "decoder"])
+
+
+async def test_a_pin_whose_client_left_as_it_finished_is_still_released(lm: LoadedModel) -> None:
+    from workers.api import GenRequest
+    from workers.engine.core import EngineCore
+    from workers.engine.engine import TorchEngine
+    from workers.engine.engineconfig import EngineConfig
+
+    core = EngineCore(lm, EngineConfig(num_blocks=32, pd_pin_s=0.5))
+    engine = TorchEngine(core, calibrate=False)
+    await engine.start()
+    try:
+        stream = await engine.generate(GenRequest("r", PROMPT, 1, kv_transfer_params=VLLM_PREFILL))
+        deadline = time.monotonic() + 30
+        while True:  # the event loop held: the engine thread finishes the prefill, nothing is dispatched yet
+            with core.lock:
+                if core.pins:
+                    break
+            assert time.monotonic() < deadline
+            time.sleep(0.002)
+        stream.cancel()  # the client went away between the finish and its delivery
+        assert engine.pd_pinned_blocks() == 4
+        await asyncio.sleep(1.0)
+        assert engine.pd_pinned_blocks() == 0 and core.stats.pd_pins_expired == 1
+        assert core.blocks.available() == core.blocks.num_blocks
+    finally:
+        await engine.close()

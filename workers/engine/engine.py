@@ -301,17 +301,21 @@ class TorchEngine:
             stream.held = []
 
     def _transfer_params(self, seq: Sequence) -> dict[str, Any]:
-        """A prefill for a remote decode ended: arm its pin's bound, answer with the fields."""
+        """The fields a prefill for a remote decode answers with."""
         pid = seq.pd_pin
         assert pid is not None
         pin_s = self.core.cfg.pd_pin_s
         with self._thread.lock:
             keys = self.core.pinned_keys(pid)
-        loop = self._loop
-        if loop is not None and pid not in self._pin_timers:
-            self._pin_timers[pid] = loop.call_later(pin_s, self._expire_pin, pid)
         return prefill_answer(worker_id=self.worker_id, url=self.advertised_url, request_id=seq.request_id,
                               keys=keys, block_size=self.core.bs, pin_id=pid, pin_s=pin_s)
+
+    def _arm_pin(self, pid: str) -> None:
+        """A prefill for a remote decode pinned its blocks: release them after the bound (armed
+        whether or not its client is still there, so that no pin outlives the bound)."""
+        loop = self._loop
+        if loop is not None and pid not in self._pin_timers:
+            self._pin_timers[pid] = loop.call_later(self.core.cfg.pd_pin_s, self._expire_pin, pid)
 
     def _expire_pin(self, pid: str) -> None:
         self._pin_timers.pop(pid, None)
@@ -344,6 +348,8 @@ class TorchEngine:
     def _dispatch(self, updates: list[SeqUpdate]) -> None:
         streams = self._streams
         for u in updates:
+            if u.finished and u.error is None and u.seq.pd_pin is not None:
+                self._arm_pin(u.seq.pd_pin)
             stream = streams.get(u.seq.request_id)
             if stream is None or stream.seq is not u.seq:  # cancelled meanwhile (its id maybe reused)
                 continue
