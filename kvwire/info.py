@@ -45,6 +45,8 @@ class WorkerInfo(msgspec.Struct, forbid_unknown_fields=False, gc=False):
     remote_group: str | None = None
     capabilities: list[str] = []
     profile: str | None = None
+    # prefill/decode disaggregation: "prefill", "decode" or "both" (None: not said, as both)
+    role: str | None = None
     url: str = ""
     events: EventsInfo | None = None
 

@@ -50,6 +50,10 @@ class GenRequest:
     # Log-probabilities of each generated token and of the `logprobs` most likely ones
     # (None: none asked). An engine that cannot give them refuses the request (400).
     logprobs: int | None = None
+    # vLLM's prefill/decode disaggregation fields (docs/engine.md § Prefill/decode roles); an
+    # engine that cannot take part refuses them (400). An accepted stream may then carry the
+    # answer's own `kv_transfer_params` (attribute of that name) once it ends.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 MAX_LOGPROBS = 20  # most alternatives per token a request may ask log-probabilities of (vLLM's default)

@@ -42,6 +42,12 @@ class _EngineCollector(Collector):
             cap.add_metric([tier], float(b.total))
         yield used
         yield cap
+        pinned = getattr(self.engine, "pd_pinned_blocks", None)
+        if pinned is not None:  # the real engine: prompt blocks kept for remote decodes to pull
+            g = GaugeMetricFamily("kvroute_worker_pd_pinned_blocks",
+                                  "Device KV blocks pinned by prefills for a remote decode, until pulled or expired")
+            g.add_metric([], float(pinned()))
+            yield g
         for name, values in self.engine.counters().items():
             labelled = any(values)
             labels = ["tier"] if labelled else None

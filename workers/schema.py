@@ -43,6 +43,8 @@ class _Common(msgspec.Struct):
     lora: str | None = None
     min_tokens: int = 0  # vLLM's: no end (EOS, stop string) before this many tokens
     return_token_ids: bool | None = None  # vLLM's: prompt and generated token ids in the answer
+    # vLLM's prefill/decode disaggregation fields (docs/engine.md § Prefill/decode roles)
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class CompletionBody(_Common):

@@ -195,6 +195,13 @@ async def test_the_simulated_engine_refuses_logprobs(http: httpx.AsyncClient, pa
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_the_simulated_engine_refuses_kv_transfer_params(http: httpx.AsyncClient, path: str) -> None:
+    asks = {"kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}}
+    err = assert_error(await http.post(path, json=gen_body(path, **asks)), 400, "kv_transfer_params")
+    assert err["code"] == "unsupported_parameter" and "holds no KV to transfer" in err["message"]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 async def test_the_simulated_engine_takes_min_tokens_and_returns_token_ids(http: httpx.AsyncClient, sim: SimDriver,
                                                                           path: str) -> None:
     chat = path != "/v1/completions"

@@ -41,6 +41,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--peer-token", default=None, help="bearer token for /kv/blocks (default $KVROUTE_PEER_TOKEN)")
     ap.add_argument("--cache-dir", default=None,
                     help="where the default model's weights are generated (default $XDG_CACHE_HOME/kvroute)")
+    ap.add_argument("--role", default="both", choices=["prefill", "decode", "both"],
+                    help="prefill/decode disaggregation: what this worker is for (in /info; default both)")
+    ap.add_argument("--pd-pin-s", type=float, default=30.0,
+                    help="how long a prefill for a remote decode keeps the prompt's blocks pinned (default 30 s)")
     ap.add_argument("--no-calibrate", action="store_true", help="skip the speed calibration at start")
     ap.add_argument("--log-level", default="warning")
     t = ap.add_argument_group("KV tiers below the pool (docs/engine.md § Tiers)")
@@ -90,6 +94,8 @@ def check_arguments(a: argparse.Namespace) -> str | None:
         return "--disk-admit-after must be >= 1"
     if a.remote_url and not a.remote_url.startswith(("redis://", "rediss://")):
         return "--remote-url must be redis://host:port[/db] or rediss://..."
+    if not a.pd_pin_s > 0:
+        return "--pd-pin-s must be positive"
     if a.prefetch_queue < 0:
         return "--prefetch-queue must be >= 0"
     seen: set[str] = set()

@@ -65,6 +65,18 @@ class StepResult:
     end: float = 0.0
 
 
+@dataclass(slots=True, eq=False)
+class PdPin:
+    """The prompt blocks a prefill for a remote decode keeps for the decode worker: `bids`
+    referenced (not evictable, not offloaded) until every key of `pending` was exported to a
+    peer or `deadline` (the engine clock) passed."""
+
+    keys: list[bytes]
+    bids: list[int]
+    pending: set[bytes]
+    deadline: float
+
+
 @dataclass(slots=True)
 class CoreStats:
     finished: int = 0
@@ -76,6 +88,9 @@ class CoreStats:
     generated_tokens: int = 0
     steps: int = 0
     preemptions: int = 0
+    pd_pins: int = 0  # prefills for a remote decode that pinned their prompt's blocks
+    pd_pins_pulled: int = 0  # ... released because a peer pulled every block
+    pd_pins_expired: int = 0  # ... released because the bound passed first
 
 
 class EngineCore:
@@ -130,6 +145,7 @@ class EngineCore:
         self.stats = CoreStats()
         self.max_context = min(lm.max_positions, num_blocks * cfg.block_size)
         self.seqs: dict[str, Sequence] = {}
+        self.pins: dict[str, PdPin] = {}  # pin id -> prompt blocks kept for a remote decode
 
     def close(self) -> None:
         """Stop the tiers' threads (queued writes finish first) and close their stores."""
@@ -376,6 +392,8 @@ class EngineCore:
             seq.finish_reason = reason
             seq.status = SeqStatus.FINISHED
             self._fill_usage(seq)
+            if seq.pd_pin is not None:
+                self._pin_prompt(seq, seq.pd_pin)
         return SeqUpdate(seq, [tok], text, reason is not None, logprobs=None if lp is None else [lp])
 
     def _fill_usage(self, seq: Sequence) -> None:
@@ -432,6 +450,65 @@ class EngineCore:
         seq.num_computed = 2 * sizes[-1]
         for _ in range(3):
             self.decode_step.add(self.runner.decode([seq]).seconds)
+
+    # ------------------------------------------------------------------ prefill/decode pins
+
+    def _pin_prompt(self, seq: Sequence, pin_id: str) -> None:
+        """A prefill for a remote decode finished: reference the leading registered blocks of
+        its prompt a decode worker can reuse (its last token is always computed there), so
+        that they stay on the device until pulled or until the bound (under the lock)."""
+        n = (seq.prompt_len - 1) // self.bs
+        keys: list[bytes] = []
+        bids: list[int] = []
+        for k in seq.keys[:n]:
+            bid = self.blocks.by_key.get(k)
+            if bid is None:
+                break
+            self.blocks.acquire(bid)
+            keys.append(k)
+            bids.append(bid)
+        self.pins[pin_id] = PdPin(keys, bids, set(keys), self._clock() + self.cfg.pd_pin_s)
+        self.stats.pd_pins += 1
+
+    def pinned_keys(self, pin_id: str) -> list[bytes]:
+        pin = self.pins.get(pin_id)
+        return list(pin.keys) if pin is not None else []
+
+    def unpin(self, pin_id: str) -> bool:
+        """Release a pin's blocks, tail first (under the lock). False when it is gone already."""
+        pin = self.pins.pop(pin_id, None)
+        if pin is None:
+            return False
+        for bid in reversed(pin.bids):
+            self.blocks.release_block(bid)
+        return True
+
+    def pulled(self, keys: list[bytes]) -> int:
+        """A peer was sent the records of `keys`: pins whose every block went out are released
+        (under the lock). Returns how many were."""
+        if not self.pins:
+            return 0
+        sent = set(keys)
+        done = []
+        for pid, pin in self.pins.items():
+            pin.pending -= sent
+            if not pin.pending:
+                done.append(pid)
+        for pid in done:
+            self.unpin(pid)
+        self.stats.pd_pins_pulled += len(done)
+        return len(done)
+
+    def expire_pin(self, pin_id: str) -> bool:
+        """The bound of a pin passed: release it if no peer pulled it first (under the lock)."""
+        if not self.unpin(pin_id):
+            return False
+        self.stats.pd_pins_expired += 1
+        return True
+
+    def pinned_blocks(self) -> int:
+        """Device blocks held for remote decodes now (a block in two pins counts once)."""
+        return len({bid for pin in self.pins.values() for bid in pin.bids})
 
     # ------------------------------------------------------------------ KV
 
@@ -521,6 +598,7 @@ class EngineCore:
             kv_capacity_tokens=self.blocks.num_blocks * self.bs,
             remote_group=self.tiers.remote_group if self.tiers is not None else None,
             capabilities=self.capabilities(),
+            role=self.cfg.role,
         )
 
     def capabilities(self) -> list[str]:

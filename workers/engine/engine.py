@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import time
+import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -34,6 +36,8 @@ from .blockio import record_of
 from .core import EngineCore, SeqUpdate, per_group
 from .loop import EngineThread
 from .model import EngineTokenizer
+from .pd import PeerPullFailed, PeerPullTimeout, RemotePrefill, prefill_answer
+from .pd import parse as parse_transfer
 from .sequence import SamplingParams, Sequence
 
 log = logging.getLogger(__name__)
@@ -49,7 +53,7 @@ class NotSupported(EngineError):
 class TorchStream(ChunkStream):
     """One accepted request: step results in (on the event loop), `GenChunk`s out."""
 
-    __slots__ = ("seq", "_engine", "_ids", "_texts", "_logprobs")
+    __slots__ = ("seq", "_engine", "_ids", "_texts", "_logprobs", "kv_transfer_params", "held")
 
     def __init__(self, engine: TorchEngine, seq: Sequence) -> None:
         super().__init__(seq.request_id)
@@ -58,6 +62,8 @@ class TorchStream(ChunkStream):
         self._ids: list[int] = []
         self._texts: deque[str] = deque()
         self._logprobs: list[TokenLogprob] | None = [] if seq.params.logprobs is not None else None
+        self.kv_transfer_params: dict[str, Any] | None = None  # a prefill for a remote decode: the answer's
+        self.held: list[int] = []  # device blocks pulled for it from a prefill worker, held until it ends
 
     def push(self, u: SeqUpdate) -> None:
         if self._done:
@@ -71,6 +77,8 @@ class TorchStream(ChunkStream):
             if u.error is None:
                 self.finish_reason = u.seq.finish_reason
                 self.usage = u.seq.usage
+                if u.seq.pd_pin is not None:
+                    self.kv_transfer_params = self._engine._transfer_params(u.seq)
             self._end(u.error)
         else:
             self._wake()
@@ -128,6 +136,9 @@ class TorchEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._started = False
         self._http: Any = None  # aiohttp session for peers (created on first use)
+        # where peers reach this worker (set by the server): a prefill for a remote decode says it
+        self.advertised_url = ""
+        self._pin_timers: dict[str, asyncio.TimerHandle] = {}
 
     @property
     def tokenizer(self) -> EngineTokenizer:
@@ -158,6 +169,11 @@ class TorchEngine:
         self.draining = True
         with self._thread.lock:
             updates = self.core.fail_all("the worker is shutting down")
+            for pid in list(self.core.pins):
+                self.core.unpin(pid)
+        for timer in self._pin_timers.values():
+            timer.cancel()
+        self._pin_timers.clear()
         self._dispatch(updates)
         if self._started:
             await asyncio.to_thread(self._thread.stop)
@@ -193,17 +209,128 @@ class TorchEngine:
             shared_prefix_blocks=req.shared_prefix_blocks,
             lora=req.lora,
         )
+        held: list[int] = []
+        if req.kv_transfer_params is not None:
+            ask = parse_transfer(req.kv_transfer_params, self.core.max_context // self.core.bs + 1)
+            role = self.core.cfg.role
+            if ask == "prefill":
+                if role == "decode":
+                    raise BadRequest("this worker's role is decode: it does not prefill for a remote decode "
+                                     "(kv_transfer_params.do_remote_decode)", param="kv_transfer_params")
+                seq.pd_pin = uuid.uuid4().hex
+            elif isinstance(ask, RemotePrefill):
+                if role == "prefill":
+                    raise BadRequest("this worker's role is prefill: it does not decode after a remote prefill "
+                                     "(kv_transfer_params.do_remote_prefill)", param="kv_transfer_params")
+                held = await self._pull_remote(req.request_id, seq, ask)
         stream = TorchStream(self, seq)
+        stream.held = held
         self._streams[req.request_id] = stream
         try:
             self._thread.submit(seq)
         except EngineError:
             del self._streams[req.request_id]
+            self._release_held(stream)
             raise
         return stream
 
+    # ------------------------------------------------------------------ prefill/decode
+
+    async def _pull_remote(self, request_id: str, seq: Sequence, src: RemotePrefill) -> list[int]:
+        """Pull a remote prefill's blocks through the PEER link (the /kv/prefetch path: the
+        peer's listing, then its records, MAC-checked) and hold them on the device until the
+        request ends. Only blocks of this request's own chain are accepted; any block that
+        does not arrive fails the request (nothing is left held)."""
+        tiers = self.core.tiers
+        if tiers is None or Tier.PEER not in tiers.links:
+            raise BadRequest("this worker cannot pull KV from a prefill worker: no peer token configured",
+                             param="kv_transfer_params")
+        n = len(src.keys)
+        if src.keys != seq.keys[:n] or n > seq.cacheable_blocks:
+            raise BadRequest("kv_transfer_params.remote_block_ids are not the leading blocks of this prompt "
+                             "(another prompt, model, cache_salt or block size)", param="kv_transfer_params")
+        if not n:
+            return []
+        timeout = tiers.cfg.peer_timeout_s
+        try:
+            held_there = await self._peer_holdings(src.url, src.keys)
+        except BadRequest as e:
+            raise PeerPullFailed(f"cannot pull the prefilled KV from {src.engine_id or src.url}: {e.message}",
+                                 param="kv_transfer_params") from None
+        pid = f"pd-{request_id}-{uuid.uuid4().hex[:8]}"
+        with self._thread.lock:
+            tiers.prefetch(pid, src.keys, timeout, peer_url=src.url, peer_held=held_there)
+        self._flush_events()
+        deadline = time.monotonic() + timeout + 1.0
+        while True:
+            with self._thread.lock:
+                moving = pid in tiers.prefetches or any(k in tiers.inflight for k in src.keys)
+            if not moving:
+                break
+            if time.monotonic() > deadline:
+                self.cancel_prefetch(pid)
+                raise PeerPullTimeout(f"pulling {n} KV blocks from {src.engine_id or src.url} took longer than "
+                                      f"{timeout:g} s", param="kv_transfer_params")
+            await asyncio.sleep(0.005)
+        held: list[int] = []
+        with self._thread.lock:
+            by_key = self.core.blocks.by_key
+            for k in src.keys:
+                bid = by_key.get(k)
+                if bid is None:
+                    break
+                self.core.blocks.acquire(bid)
+                held.append(bid)
+            if len(held) < n:
+                for bid in reversed(held):
+                    self.core.blocks.release_block(bid)
+        self._flush_events()
+        if len(held) < n:
+            missing = n - len(held)
+            why = ("it no longer holds them (its pin expired?)" if len(held_there) < n
+                   else "the transfer failed or this worker had no room")
+            raise PeerPullFailed(f"{missing} of {n} KV blocks did not arrive from {src.engine_id or src.url}: {why}",
+                                 param="kv_transfer_params")
+        return held
+
+    def _release_held(self, stream: TorchStream) -> None:
+        if stream.held:
+            with self._thread.lock:
+                for bid in reversed(stream.held):
+                    self.core.blocks.release_block(bid)
+            stream.held = []
+
+    def _transfer_params(self, seq: Sequence) -> dict[str, Any]:
+        """The fields a prefill for a remote decode answers with."""
+        pid = seq.pd_pin
+        assert pid is not None
+        pin_s = self.core.cfg.pd_pin_s
+        with self._thread.lock:
+            keys = self.core.pinned_keys(pid)
+        return prefill_answer(worker_id=self.worker_id, url=self.advertised_url, request_id=seq.request_id,
+                              keys=keys, block_size=self.core.bs, pin_id=pid, pin_s=pin_s)
+
+    def _arm_pin(self, pid: str) -> None:
+        """A prefill for a remote decode pinned its blocks: release them after the bound (armed
+        whether or not its client is still there, so that no pin outlives the bound)."""
+        loop = self._loop
+        if loop is not None and pid not in self._pin_timers:
+            self._pin_timers[pid] = loop.call_later(self.core.cfg.pd_pin_s, self._expire_pin, pid)
+
+    def _expire_pin(self, pid: str) -> None:
+        self._pin_timers.pop(pid, None)
+        with self._thread.lock:
+            self.core.expire_pin(pid)
+
+    def pd_pinned_blocks(self) -> int:
+        """Device blocks pinned now for remote decodes (/metrics)."""
+        with self._thread.lock:
+            return self.core.pinned_blocks()
+
     def _cancel(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            self._release_held(stream)
         self._thread.abort(request_id)
 
     # ------------------------------------------------------------------ engine thread -> loop
@@ -221,12 +348,15 @@ class TorchEngine:
     def _dispatch(self, updates: list[SeqUpdate]) -> None:
         streams = self._streams
         for u in updates:
+            if u.finished and u.error is None and u.seq.pd_pin is not None:
+                self._arm_pin(u.seq.pd_pin)
             stream = streams.get(u.seq.request_id)
             if stream is None or stream.seq is not u.seq:  # cancelled meanwhile (its id maybe reused)
                 continue
             stream.push(u)
             if u.finished:
                 del streams[u.seq.request_id]
+                self._release_held(stream)
         self._flush_events()
 
     def _flush_events(self) -> None:
@@ -334,6 +464,9 @@ class TorchEngine:
             got = await asyncio.to_thread(tiers.export, batch)
             if got:
                 yield b"".join(record_of(k, m, p) + tag for k, m, p, tag in got)
+                # handed over to the server (a peer that went away before this closed the generator)
+                with self._thread.lock:
+                    self.core.pulled([k for k, _, _, _ in got])
             if len(got) < len(batch):
                 return
 
@@ -393,6 +526,9 @@ class TorchEngine:
                 "generated_tokens": {"": s.generated_tokens},
                 "steps": {"": s.steps},
                 "preemptions": {"": s.preemptions},
+                "pd_pins": {"": s.pd_pins},
+                "pd_pins_pulled": {"": s.pd_pins_pulled},
+                "pd_pins_expired": {"": s.pd_pins_expired},
                 "stored_blocks": {"GPU": b.stored},
                 "evicted_blocks": {"GPU": b.evicted},
             }

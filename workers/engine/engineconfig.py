@@ -12,6 +12,7 @@ import torch
 from .model import LoadedModel
 from .tierstate import TierConfig
 
+ROLES = ("prefill", "decode", "both")
 CPU_DEFAULT_KV_BYTES = 512 << 20
 CUDA_KV_FRACTION = 0.85  # of the device memory free after loading the weights...
 CUDA_RESERVE_BYTES = 1 << 30  # ...minus room for activations
@@ -28,6 +29,17 @@ class EngineConfig:
     max_waiting: int = 64
     parallel: str = "tp1"
     tiers: TierConfig | None = None  # CPU / DISK / REMOTE below the pool, peer pulls; None: GPU only
+    # Prefill/decode disaggregation (docs/engine.md § Prefill/decode roles): what this worker
+    # is for ("prefill", "decode" or "both"), and how long a prefill keeps the prompt's blocks
+    # pinned for the decode worker to pull them.
+    role: str = "both"
+    pd_pin_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"unknown worker role {self.role!r}; choose one of: {', '.join(ROLES)}")
+        if not self.pd_pin_s > 0:
+            raise ValueError("pd_pin_s must be positive")
 
 
 

@@ -121,6 +121,8 @@ class Sequence:
     first_token: float | None = None
     last_token: float | None = None
     generator: torch.Generator | None = None
+    # a prefill for a remote decode: its prompt's blocks are pinned under this id as it finishes
+    pd_pin: str | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -75,6 +75,7 @@ class EngineWorker:
             sock = _bind(o.host, o.port)
             self.port = sock.getsockname()[1]
             self.url = _url(o.host, self.port)
+            self.engine.advertised_url = self.url
             app = build_app(
                 self.engine,
                 url=self.url,
@@ -155,6 +156,8 @@ def build_engine(a: argparse.Namespace) -> TorchEngine:
         max_num_seqs=a.max_num_seqs,
         max_waiting=a.max_waiting,
         tiers=tier_config(a),
+        role=a.role,
+        pd_pin_s=a.pd_pin_s,
     )
     return TorchEngine(EngineCore(load_model(spec), cfg), calibrate=not a.no_calibrate)
 

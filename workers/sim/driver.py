@@ -208,6 +208,11 @@ class SimDriver:
             raise UnsupportedParameter(
                 "logprobs is not supported by this worker: the simulated engine has no model to give "
                 "log-probabilities", param="logprobs")
+        if req.kv_transfer_params is not None:
+            raise UnsupportedParameter(
+                "kv_transfer_params is not supported by this worker: the simulated engine holds no KV to "
+                "transfer (its prefill/decode roles are priced by the offline simulator)",
+                param="kv_transfer_params")
         if not 0 <= req.min_tokens <= req.max_tokens:
             raise BadRequest("min_tokens must be in [0, max_tokens]", param="min_tokens")
         stream = _SimStream(self, req.request_id)

@@ -393,6 +393,7 @@ class SimEngine:
             kv_capacity_tokens=self._capacity_tokens,
             remote_group=self.remote.name if self.remote is not None else None,
             capabilities=caps,
+            role=self.role,
             profile=self.profile.name,
         )
 

@@ -86,7 +86,8 @@ class CompletionHandlers:
         if len(rid) > 200:
             raise BadRequest("kv.request_id is longer than 200 characters", param="kv.request_id")
         return GenRequest(rid, ids, mt, b.cache_salt or None, spb, b.lora, b.ignore_eos,
-                          b.temperature, b.top_p, b.seed, b.stop, b.min_tokens, _logprobs(b))
+                          b.temperature, b.top_p, b.seed, b.stop, b.min_tokens, _logprobs(b),
+                          b.kv_transfer_params)
 
     async def _start(self, gen: GenRequest, b: CompletionBody | ChatBody, model: str, chat: bool) -> Response:
         adapter = self.models.adapter_of(model)

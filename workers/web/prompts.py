@@ -16,8 +16,8 @@ from .common import Unsupported
 # not list: `lora` scopes block keys to an adapter (docs/wire.md).
 WORKER_EXTENSIONS = frozenset({"lora"})
 # Fields the app hands to the engine in `GenRequest`, where the engine refuses what it
-# cannot honour (the simulated engine has no log-probabilities to give).
-ENGINE_FIELDS = frozenset({"min_tokens", "logprobs", "return_token_ids"})
+# cannot honour (the simulated engine has no log-probabilities to give, nor KV to transfer).
+ENGINE_FIELDS = frozenset({"min_tokens", "logprobs", "return_token_ids", "kv_transfer_params"})
 ENGINE_FIELDS_CHAT = ENGINE_FIELDS | {"top_logprobs"}
 
 

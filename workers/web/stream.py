@@ -114,6 +114,9 @@ class GenResponse(Response):
             "choices": [choice],
             "usage": stream.usage.to_dict(),
         }
+        kvt = getattr(stream, "kv_transfer_params", None)
+        if kvt is not None:  # a prefill for a remote decode: what the decode worker needs (vLLM's field)
+            body["kv_transfer_params"] = kvt
         if self.prompt_ids is not None:
             choice["token_ids"] = ids
             if self.chat:
@@ -214,6 +217,9 @@ class GenResponse(Response):
             tail = pre + b',"choices":[{"index":0,"delta":{},"logprobs":null,"finish_reason":' + finish + b"}]}\n\n"
         else:
             tail = pre + b',"choices":[{"index":0,"text":"","logprobs":null,"finish_reason":' + finish + b"}]}\n\n"
+        kvt = getattr(stream, "kv_transfer_params", None)
+        if kvt is not None:  # a prefill for a remote decode, streamed: the fields ride on the finish chunk
+            tail = tail[:-3] + b',"kv_transfer_params":' + enc(kvt) + b"}\n\n"
         if self.include_usage and stream.usage is not None:
             tail += pre + b',"choices":[],"usage":' + enc(stream.usage.to_dict()) + b"}\n\n"
         return tail + b"data: [DONE]\n\n"
