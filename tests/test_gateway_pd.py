@@ -180,3 +180,21 @@ async def test_roles_in_admin_workers_and_their_validation() -> None:
     assert WorkerConfig(id="x", url="http://127.0.0.1:1").role == "both"
     with pytest.raises(ValueError, match="unknown worker role 'prefil'"):
         WorkerConfig(id="x", url="http://127.0.0.1:1", role="prefil")
+
+
+async def test_our_workers_get_the_same_exchange_through_the_relay() -> None:
+    p = FakeWorker("p", DIGEST, role="prefill", kv_transfer_answer=P_PARAMS)
+    d = FakeWorker("d", DIGEST, role="decode")
+    async with fleet([p, d], _pd_cfg()) as (gw, url):
+        status, body, hdrs = await _post(url, {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "stream": True})
+        assert status == 200, body
+        r1, r2 = p.completions[0], d.completions[0]
+        assert r1["kv_transfer_params"] == REMOTE_DECODE and r1["prompt"] == PROMPT
+        assert r1["max_tokens"] == 1 and r1["stream"] is False and "stream_options" not in r1
+        assert r1["kv"]["request_id"] == r2["kv"]["request_id"]
+        assert b'"kv_transfer_params":' + P_PARAMS in d.bodies[0]
+        assert r2["max_tokens"] == 3 and r2["stream"] is True and r2["prompt"] == PROMPT
+        assert "t0 t1 t2 " in "".join(
+            msgspec.json.decode(e[6:])["choices"][0]["text"] for e in body.decode().split("\n\n")
+            if e.startswith("data: {") and msgspec.json.decode(e[6:])["choices"])
+        assert hdrs["x-kvroute-prefill-worker"] == "p" and hdrs["x-kvroute-kv-moved-tokens"] == str(16 * 20)
