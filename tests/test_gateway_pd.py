@@ -8,8 +8,8 @@ from typing import Any
 import aiohttp
 import msgspec
 import pytest
-from test_gateway_errors import DIGEST, MODEL, _cfg, fleet
-from test_gateway_fakes import FakeWorker
+from test_gateway_errors import DIGEST, MODEL, _cfg, fleet, wait_until
+from test_gateway_fakes import FakeWorker, serve_fake
 from test_gateway_routing import PROMPT, _explain, _store
 
 from router.fleet.fleetconfig import WorkerConfig
@@ -198,3 +198,33 @@ async def test_our_workers_get_the_same_exchange_through_the_relay() -> None:
             msgspec.json.decode(e[6:])["choices"][0]["text"] for e in body.decode().split("\n\n")
             if e.startswith("data: {") and msgspec.json.decode(e[6:])["choices"])
         assert hdrs["x-kvroute-prefill-worker"] == "p" and hdrs["x-kvroute-kv-moved-tokens"] == str(16 * 20)
+
+
+async def test_a_failing_prefill_worker_falls_back_to_one_worker_serving_alone() -> None:
+    # b (role both) prefills ten times slower, so the pair p->d wins; p failing leaves b's single option
+    p, d = _p(fail_status=503), _d()
+    b = FakeWorker("b", DIGEST, kind="vllm")
+    cfg = _pd_cfg()
+    async with serve_fake(b), fleet([p, d], cfg) as (gw, url):
+        await gw.reload(cfg.model_copy(update={"workers": [*cfg.workers, WorkerConfig(
+            id="b", url=b.url, model=MODEL, kind="vllm", cost={"prefill_tokens_per_s": 2000.0})]}))
+        await wait_until(lambda: "b" in gw.pool.workers and gw.pool.workers["b"].state.value == "healthy", 10.0,
+                         "b joined")
+        ex = await _explain(url, {"model": MODEL, "prompt": PROMPT, "max_tokens": 4})
+        pd = ex["decision"]["pd"]
+        assert pd["chosen"]["kind"] == "pair" and pd["chosen"]["prefill_worker"] == "p"
+        assert any(o["kind"] == "single" and o["decode_worker"] == "b" for o in pd["alternatives"])
+        status, body, hdrs = await _post(url, {"model": MODEL, "prompt": PROMPT, "max_tokens": 4})
+        assert status == 200, body
+        assert len(p.completions) == 1 and not d.completions and len(b.completions) == 1
+        assert "kv_transfer_params" not in b.completions[0] and b.completions[0]["max_tokens"] == 4
+        assert hdrs["x-kvroute-worker"] == "b" and "x-kvroute-prefill-worker" not in hdrs
+        assert gw.metrics.pd_served.labels("single")._value.get() == 1
+
+
+async def test_the_prefill_workers_own_4xx_reaches_the_client() -> None:
+    p, d = _p(fail_status=400, fail_message="This model's maximum context length is 512 tokens"), _d()
+    async with fleet([p, d], _pd_cfg()) as (gw, url):
+        status, body, _ = await _post(url, {"model": MODEL, "prompt": PROMPT, "max_tokens": 4})
+        assert status == 400 and b"maximum context length" in body
+        assert len(p.completions) == 1 and not d.completions
