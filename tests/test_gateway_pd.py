@@ -91,9 +91,9 @@ async def test_a_whole_answer_and_max_completion_tokens() -> None:
 
 
 async def test_a_failing_prefill_worker_is_replaced_by_the_next_option() -> None:
-    # p1 fails; p2 (a longer queue, so second) prefills; the client never sees p1's failure
+    # p1 fails; p2 (priced the same, listed second) prefills; the client never sees p1's failure
     p1 = _p("p1", fail_status=500)
-    p2 = _p("p2", load={"waiting_requests": 3})
+    p2 = _p("p2")
     d = _d()
     async with fleet([p1, p2, d], _pd_cfg()) as (gw, url):
         ex = await _explain(url, {"model": MODEL, "prompt": PROMPT, "max_tokens": 4})
@@ -107,7 +107,7 @@ async def test_a_failing_prefill_worker_is_replaced_by_the_next_option() -> None
 
 async def test_a_decode_worker_failing_before_its_first_byte_is_replaced_with_the_same_parameters() -> None:
     p, d1 = _p(), _d("d1", fail_status=500)
-    d2 = _d("d2", load={"waiting_requests": 3})
+    d2 = _d("d2")  # priced as d1, listed second
     async with fleet([p, d1, d2], _pd_cfg()) as (gw, url):
         ex = await _explain(url, {"model": MODEL, "prompt": PROMPT, "max_tokens": 4})
         assert ex["decision"]["pd"]["chosen"]["decode_worker"] == "d1"
