@@ -449,10 +449,12 @@ class Gateway:
                 if pw is None:
                     continue
                 tried += 1
+                predicted = d.pd.chosen.terms.get("prefill_ttft") if pid == d.pd.chosen.prefill_worker else None
                 try:
-                    done = await prefill(self.upstream, self.pool, prep, pw, estimates.get(pw.id),
-                                         d.pd.chosen.terms.get("prefill_ttft") if pid == d.pd.chosen.prefill_worker
-                                         else None)
+                    done = await prefill(self.upstream, self.pool, prep, pw, estimates.get(pw.id), predicted)
+                    if predicted is not None and predicted > 0:
+                        # P's one-token answer is its TTFT: the prefill leg calibrates P
+                        self.policy.observe(pw.id, predicted, done.seconds, done.kv)
                 except UpstreamError as e:
                     self._failed_leg(pw, e)
                     if not e.retryable:

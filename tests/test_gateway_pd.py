@@ -47,6 +47,16 @@ async def _post(url: str, body: dict[str, Any]) -> tuple[int, bytes, dict[str, s
 async def test_the_two_request_exchange_as_vllm_expects_it() -> None:
     p, d = _p(), _d()
     async with fleet([p, d], _pd_cfg()) as (gw, url):
+        observed: list[tuple[str, float | None, float]] = []
+        real_observe = gw.policy.observe
+
+        def spy(wid: str, predicted: float | None, actual: float, kv: Any) -> None:
+            observed.append((wid, predicted, actual))
+            real_observe(wid, predicted, actual, kv)
+
+        gw.policy.observe = spy
+        ex = await _explain(url, {"model": MODEL, "prompt": PROMPT, "max_tokens": 5})
+        ex_prefill = ex["decision"]["pd"]["chosen"]["terms"]["prefill_ttft"]
         client_body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 5, "stream": True, "temperature": 0.5,
                        "min_tokens": 2, "stream_options": {"include_usage": True}, "seed": 7}
         status, body, hdrs = await _post(url, client_body)
@@ -75,6 +85,9 @@ async def test_the_two_request_exchange_as_vllm_expects_it() -> None:
         assert hdrs["x-kvroute-prefill-worker"] == "p" and hdrs["x-kvroute-decode-worker"] == "d"
         assert hdrs["x-kvroute-worker"] == "d" and hdrs["x-kvroute-kv-moved-tokens"] == str(16 * 20)
         assert gw.metrics.pd_served.labels("pair")._value.get() == 1
+        # the prefill leg calibrates P against the pair's prefill term; D's leg has no prediction
+        assert [(o[0], o[1] is None) for o in observed] == [("p", False), ("d", True)]
+        assert observed[0][1] == pytest.approx(ex_prefill) and observed[0][2] > 0
 
 
 async def test_a_whole_answer_and_max_completion_tokens() -> None:

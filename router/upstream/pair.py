@@ -64,7 +64,8 @@ class Prefilled:
     worker: Worker
     params: msgspec.Raw | None
     moved_tokens: int
-    seconds: float
+    seconds: float  # from dispatch to P's answer: its TTFT (one token)
+    kv: dict[str, Any] | None = None  # our worker's `usage.kv` timings (calibration)
 
 
 def prefill_body(prep: Prepared, w: Worker) -> bytes:
@@ -117,7 +118,8 @@ async def prefill(client: UpstreamClient, pool: WorkerPool, prep: Prepared, w: W
         if bytes(ans.kv_transfer_params).strip() in (b"null", b"{}"):
             params = None  # no KV connector: D prefills itself
         moved = 0 if params is None else moved_tokens(ans.usage, prompt, w.block_size)
-        return Prefilled(w, params, moved, time.monotonic() - t0)
+        kv = ans.usage.get("kv") if ans.usage is not None else None
+        return Prefilled(w, params, moved, time.monotonic() - t0, kv if isinstance(kv, dict) else None)
     finally:
         rec.ticket.abort = None
         pool.finished(rec)
