@@ -2,7 +2,7 @@
 
     kvroute serve --config FILE [--processes N]
                                            the gateway, workers from the config (SIGHUP reloads it)
-    kvroute up [--workers N] [--sim] [--config FILE] [--port P] [--events-base-port Q] ...
+    kvroute up [--workers N | --pd P:D] [--sim] [--config FILE] [--port P] [--events-base-port Q] ...
                                            gateway on 127.0.0.1:8000 + N local workers: real engine
                                            workers on the bundled tiny model, or simulated (kvroute.up)
     kvroute sim-cluster ...                N simulated workers in one process (workers.cli)

@@ -43,6 +43,7 @@ REAL_TOKENIZER = REPO / "configs" / "assets" / "tiny-tokenizer"  # the tiny Llam
 SIM_PROFILE = "h200-llama3.1-8b"
 REAL_TIMEOUT_S = 180.0  # the first start generates the weights (from a fixed seed), then each worker calibrates
 SIM_TIMEOUT_S = 60.0
+PAIR_POLICIES = ("pd_cost", "pd_round_robin", "pd_prefix")  # router/planner/pd.py
 STOP_GRACE_S = 15.0
 
 
@@ -208,11 +209,32 @@ def stop_all(children: list[Child], grace_s: float = STOP_GRACE_S) -> None:
 # ---------------------------------------------------------------------- the fleets
 
 
+def parse_pd(text: str) -> tuple[int, int]:
+    """`--pd P:D`: P prefill workers and D decode workers, each at least 1."""
+    try:
+        p, d = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise UpError(f"kvroute up: --pd {text!r}: expected P:D, e.g. 1:1 (prefill and decode workers)", 2) from None
+    if p < 1 or d < 1:
+        raise UpError("kvroute up: --pd P:D needs at least one prefill and one decode worker", 2)
+    return p, d
+
+
+def worker_roles(a: argparse.Namespace, n: int) -> list[tuple[str, str]]:
+    """(worker id, role) of each local worker: `--pd P:D` gives P prefill workers p0.. and D
+    decode workers d0..; otherwise n workers w0.. of role both."""
+    if a.pd is None:
+        return [(f"w{i}", "both") for i in range(n)]
+    p, d = parse_pd(a.pd)
+    return [(f"p{i}", "prefill") for i in range(p)] + [(f"d{i}", "decode") for i in range(d)]
+
+
 def real_worker_cmds(a: argparse.Namespace, ports: PortPlan, state_dir: Path) -> list[tuple[str, list[str]]]:
-    """(worker id, command) of each real-engine worker."""
+    """(worker id, command) of each real-engine worker; a prefill or decode worker is told
+    its role (the engine's `--role`)."""
     cmds = []
-    for i, port in enumerate(ports.http):
-        wid = f"w{i}"  # also the relay prefix and the name in messages: "w0 exited ..."
+    for i, (port, (wid, role)) in enumerate(zip(ports.http, worker_roles(a, len(ports.http)), strict=True)):
+        # wid is also the relay prefix and the name in messages: "w0 exited ..."
         cmd = [sys.executable, "-m", "workers.cli", "engine", "--port", str(port), "--host", "127.0.0.1",
                "--worker-id", wid, "--threads", "1", "--cpu-bytes", _num(a.cpu_bytes),
                "--disk-dir", str(state_dir / f"kv-{wid}")]
@@ -220,6 +242,8 @@ def real_worker_cmds(a: argparse.Namespace, ports: PortPlan, state_dir: Path) ->
             cmd += ["--events-port", str(ports.events[i])]
         if a.num_blocks is not None:
             cmd += ["--num-blocks", str(a.num_blocks)]
+        if role != "both":
+            cmd += ["--role", role]
         cmd += list(a.engine_arg or [])
         cmds.append((wid, cmd))
     return cmds
@@ -301,7 +325,29 @@ def _gateway_config(a: argparse.Namespace) -> tuple[Any, str]:
     return cfg, profile
 
 
+def fleet_config(cfg: Any, a: argparse.Namespace, workers: list[tuple[str, str]]) -> None:
+    """The gateway's workers (id, url) as config entries, with their roles; a `--pd` fleet
+    is routed by pd_cost unless the config already names a pair policy."""
+    from router.config import RoutingConfig
+    from router.fleet.fleetconfig import WorkerConfig
+
+    m = cfg.models[0]
+    roles = dict(worker_roles(a, len(workers)))
+    cfg.workers = [WorkerConfig(id=wid, url=url, kind="kvroute", model=m.id, role=roles.get(wid, "both"))
+                   for wid, url in workers]
+    if a.pd is not None and cfg.routing.policy not in PAIR_POLICIES:
+        data = cfg.routing.model_dump()
+        data.update(policy="pd_cost", params={})
+        cfg.routing = RoutingConfig.model_validate(data)
+
+
 def _check(a: argparse.Namespace) -> None:
+    if a.pd is not None:
+        if a.sim:
+            raise UpError("kvroute up: --pd starts engine workers (prefill and decode roles), not --sim", 2)
+        if a.workers is not None:
+            raise UpError("kvroute up: --pd P:D sets the number of workers (P + D); leave out --workers", 2)
+        parse_pd(a.pd)
     if a.sim:
         given = [f for f, v in (("--num-blocks", a.num_blocks), ("--engine-arg", a.engine_arg),
                                 ("--state-dir", a.state_dir)) if v]
@@ -319,7 +365,6 @@ def _raise_interrupt(signum: int, frame: Any) -> None:
 
 
 def cmd_up(a: argparse.Namespace) -> int:
-    from router.fleet.fleetconfig import WorkerConfig
     from router.server import serve
 
     children: list[Child] = []
@@ -331,12 +376,14 @@ def cmd_up(a: argparse.Namespace) -> int:
         cfg, profile = _gateway_config(a)
         m = cfg.models[0]
         n = a.workers if a.workers is not None else default_workers()
+        if a.pd is not None:
+            n = sum(parse_pd(a.pd))
         ports = plan_ports(n, a.base_port, a.events_base_port)
         if a.sim:
             workers = start_sim(a, n, ports, profile, m.tokenizer, children)
         else:
             workers = start_real(a, n, ports, children)
-        cfg.workers = [WorkerConfig(id=wid, url=url, kind="kvroute", model=m.id) for wid, url in workers]
+        fleet_config(cfg, a, workers)
         cfg.listen.port = a.port
         cfg.listen.host = a.host
         kind = "simulated" if a.sim else "engine"
@@ -359,6 +406,8 @@ def cmd_up(a: argparse.Namespace) -> int:
 
 def add_arguments(u: argparse.ArgumentParser) -> None:
     u.add_argument("--workers", type=int, default=None, help="local workers (default: min(4, CPU cores))")
+    u.add_argument("--pd", default=None, metavar="P:D",
+                   help="a disaggregated fleet: P prefill-role and D decode-role engine workers, routed by pd_cost")
     u.add_argument("--sim", action="store_true", help="simulated workers instead of the real engine")
     u.add_argument("--config", default=str(REPO / "configs" / "default.yaml"),
                    help="gateway config (routing, limits, tenants...); its models are replaced by the fleet's")

@@ -58,6 +58,7 @@ from .telemetry.tracing import RequestTracer
 from .upstream.attempt import Attempt, Out
 from .upstream.client import UpstreamClient
 from .upstream.http1 import MAX_IDLE_S
+from .upstream.pair import Prefilled, prefill
 from .upstream.passthrough import PassThrough
 from .upstream.prefetch import Prefetch, Prefetcher, prefetch_rule
 from .upstream.proxy import UpstreamError
@@ -366,6 +367,10 @@ class Gateway:
         d, rr = self.decide(prep)
         if d.worker_id is None:
             raise self._shed(d)
+        if d.pd is not None:
+            if d.pd.chosen.kind == "pair":
+                return await self._dispatch_pair(prep, d, rr, out)
+            m.child(m.pd_served, d.pd.chosen.kind).inc()
         retries = self.cfg.routing.retries
         order = [d.worker_id] + [w for w in d.ranked if w != d.worker_id][:retries]
         estimates = {e.worker_id: e for e in d.estimates}
@@ -403,6 +408,91 @@ class Gateway:
             raise upstream_failed(f"The {tried} workers tried failed before answering{why}; retry the request.")
         raise upstream_failed(f"The worker failed before answering{why}; retry the request.")
 
+    async def _dispatch_pair(self, prep: Prepared, d: Decision, rr: RouteRequest, out: Out) -> int:
+        """Serve a pair decision (router/upstream/pair.py has the exchange). The options are
+        tried in the record's order (the chosen one, then the alternatives by score):
+        a prefill worker that fails is skipped, the next option served (another pair, or
+        a single / bypass worker serving the request alone). Once a prefill succeeded,
+        its `kv_transfer_params` go to each decode worker tried, until one answers: a
+        decode worker that fails before its first byte is replaced by the next
+        decode-capable worker of the ranking with the same parameters (the prefill
+        worker keeps the blocks until its own bound: vLLM's abort timeout, our pin
+        bound; the gateway cannot release them). Nothing left: a 502 saying the decode
+        side failed after the prefill."""
+        assert d.pd is not None
+        m = self.metrics
+        estimates = {e.worker_id: e for e in d.estimates}
+        views = {w.id: w for w in self.pool.workers.values()}
+        legs = 2 * (1 + self.cfg.routing.retries)
+        failed: set[str] = set()
+        done: Prefilled | None = None
+        last: UpstreamError | None = None
+        tried = 0
+
+        def usable(wid: str | None) -> Worker | None:
+            w = views.get(wid) if wid is not None else None
+            return w if w is not None and w.state is State.HEALTHY and wid not in failed else None
+
+        options = [d.pd.chosen, *d.pd.alternatives]
+        # after a prefill, any decode-capable worker of the ranking may decode
+        decoders = [wid for wid in d.ranked if (w := views.get(wid)) is not None and w.cfg.role != "prefill"]
+        queue: list[tuple[str, str | None, str]] = [(o.kind, o.prefill_worker, o.decode_worker) for o in options]
+        queue += [("pair", None, wid) for wid in decoders]
+        for kind, pid, did in queue:
+            if tried >= legs:
+                break
+            dw = usable(did)
+            if dw is None or (kind == "pair" and pid is None and done is None):
+                continue
+            if kind == "pair" and done is None:
+                pw = usable(pid)
+                if pw is None:
+                    continue
+                tried += 1
+                predicted = d.pd.chosen.terms.get("prefill_ttft") if pid == d.pd.chosen.prefill_worker else None
+                try:
+                    done = await prefill(self.upstream, self.pool, prep, pw, estimates.get(pw.id), predicted)
+                    if predicted is not None and predicted > 0:
+                        # P's one-token answer is its TTFT: the prefill leg calibrates P
+                        self.policy.observe(pw.id, predicted, done.seconds, done.kv)
+                except UpstreamError as e:
+                    self._failed_leg(pw, e)
+                    if not e.retryable:
+                        raise (e.api_error or upstream_failed("The prefill worker failed to answer.")) from None
+                    failed.add(pw.id)
+                    last = e
+                    m.child(m.retries, "prefill_failed").inc()
+                    log.warning("request %s: prefill worker %s failed: %s", prep.rid, pw.id, e)
+                    continue
+            elif kind != "pair" and done is not None:
+                continue  # the prompt's KV waits on a prefill worker: decode it, do not compute it again
+            tried += 1
+            try:
+                status = await self._attempt(prep, d, rr, dw, estimates.get(dw.id), out, tried,
+                                             done if kind == "pair" else None)
+            except UpstreamError as e:
+                if not e.retryable:
+                    raise (e.api_error or upstream_failed("A worker failed to answer.")) from None
+                failed.add(dw.id)
+                last = e
+                m.child(m.retries, "decode_failed" if done is not None else "before_first_byte").inc()
+                log.warning("request %s: worker %s failed before the first byte: %s", prep.rid, dw.id, e)
+                continue
+            m.child(m.pd_served, kind).inc()
+            return status
+        if done is not None:
+            raise upstream_failed(f"The decode side failed after the prompt was prefilled on {done.worker.id} "
+                                  f"({last}); retry the request.")
+        if last is None:
+            raise unavailable("No healthy worker could take this request.", 1.0)
+        raise upstream_failed(f"Every prefill and fallback worker tried failed before answering ({last}); "
+                              "retry the request.")
+
+    def _failed_leg(self, w: Worker, e: UpstreamError) -> None:
+        self.metrics.child(self.metrics.upstream_errors, w.id, e.phase).inc()
+        if e.fatal or e.worker_trouble:
+            self.pool.report_failure(w, str(e), e.fatal)
+
     def _slow_to_accept(self) -> ApiError:
         """Every worker tried was too busy to accept the connection: live workers that are
         overloaded, so a 429 with Retry-After (a 502 would tell the client they failed)."""
@@ -412,22 +502,30 @@ class Gateway:
 
     async def _attempt(
         self, prep: Prepared, d: Decision, rr: RouteRequest, w: Worker, est: Estimate | None, out: Out,
-        tries: int = 1,
+        tries: int = 1, pair: Prefilled | None = None,
     ) -> int:
-        """One try on worker `w`: prefetch (for the chosen worker), count, relay."""
+        """One try on worker `w`: prefetch (for the chosen worker), count, relay. `pair`:
+        the decode leg of a prefill/decode pair, after its prefill."""
         chosen = w.id == d.worker_id
         predicted = d.predicted_ttft if chosen else (est.t_ttft if est else None)
+        if pair is not None:
+            # the pair's prediction counts from the prefill's dispatch: not this leg's to calibrate
+            predicted = None
         pf = None
         if chosen:
             peer = self.pool.workers.get(d.prefetch_from_peer) if d.prefetch_from_peer else None
             pf = self.prefetcher.send(prep, d, w, rr, est, peer)
         prefill = est.recompute_tokens if est is not None and est.eligible else len(prep.ids)
+        if pair is not None and pair.params is not None:
+            prefill = max(1, len(prep.ids) - pair.moved_tokens)  # the tail past the moved blocks
         if self.cfg.routing.revise_predictions:
             w.fleet.revise_ahead(est, time.monotonic(), revision_knobs(self.policy, w.id))
         rec = self.pool.dispatched(w, prefill, len(prep.ids) + prep.max_tokens, est)
         try:
             await self._let_prefetch_lead(pf)
             a = Attempt(prep, w, rec, rr, predicted, pf, reason=d.reason if chosen else "retry", tries=tries)
+            if pair is not None:
+                a.kv_transfer, a.prefill_worker, a.kv_moved_tokens = pair.params, pair.worker.id, pair.moved_tokens
             if w.passes_through:
                 return await self.passthrough.run(a, out)
             return await self.relay.run(a, out)

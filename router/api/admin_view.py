@@ -47,6 +47,10 @@ def explain_dict(prep: Prepared, policy_name: str, d: Decision, rr: RouteRequest
             "prefetch_from_peer": d.prefetch_from_peer,
             "ranked": d.ranked,
             "retry_after_s": d.retry_after_s,
+            # a pair policy's record: the chosen option (single, pair or bypass) with each
+            # term, the best alternatives and why they lost (router/planner/pd.py)
+            "prefill_worker_id": d.prefill_worker_id,
+            "pd": d.pd.to_dict() if d.pd is not None else None,
         },
         "matches": {
             wid: {"blocks": m.blocks, "runs": [[t.name, n] for t, n in m.runs]} for wid, m in rr.matches.items()

@@ -11,6 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from ..planner.pd import check_role
 from .credentials import AuthConfig
 
 TIER_NAMES = ("CPU", "DISK", "REMOTE", "PEER")
@@ -139,6 +140,13 @@ class WorkerConfig(Strict):
     # as a worker of its own, `<id>.dp<r>` (router/fleet/dp_ranks.py)
     data_parallel_size: int = Field(default=1, ge=1, le=256)
     data_parallel_rank: int | None = Field(default=None, ge=0)  # this entry is that one rank
+    # prefill/decode disaggregation (router/planner/pd.py): "prefill", "decode" or "both"
+    role: str = "both"
+
+    @field_validator("role")
+    @classmethod
+    def _role(cls, v: str) -> str:
+        return check_role(v)
 
     @model_validator(mode="after")
     def _ranks(self) -> WorkerConfig:

@@ -60,7 +60,8 @@ class Roster:
             raise ValueError(f"worker {wc.id!r} already exists")
         assert wc.model is not None
         model = self.models[wc.model]
-        view = WorkerView(wc.id, cost_params(model, wc.cost), url=wc.url, supports_prefetch=wc.kind == "kvroute")
+        view = WorkerView(wc.id, cost_params(model, wc.cost), url=wc.url, supports_prefetch=wc.kind == "kvroute",
+                          role=wc.role)
         w = Worker(wc, model, FleetWorker(view, pins(wc.cost), InflightLedger(wc.id, replicas=self.replicas)),
                    breaker=Breaker(self.cfg.breaker_failures, self.cfg.breaker_open_s, self.cfg.breaker_max_open_s))
         w.max_inflight = wc.max_inflight or self.worker_max_inflight

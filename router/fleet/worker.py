@@ -129,6 +129,7 @@ class Worker:
             "id": self.id,
             "url": self.url,
             "kind": self.kind,
+            "role": self.cfg.role,
             "model": self.model.id,
             "state": self.state.value,
             "reason": self.reason,

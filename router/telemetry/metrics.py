@@ -59,6 +59,8 @@ class GatewayMetrics:
         self.prefetch_wasted_bytes = counter("kvroute_prefetch_wasted_bytes",
                                              "Wasted prefetch tokens times KV bytes per token")
         self.retries = counter("kvroute_retries", "Requests retried on the next-best worker", "reason")
+        self.pd_served = counter("kvroute_pd_requests", "Requests of a pair policy by the option that served them "
+                                 "(single, pair, bypass)", "option")
         self.shed = counter("kvroute_shed", "Requests shed with 429/503", "reason")
         self.upstream_errors = counter("kvroute_upstream_errors", "Worker failures seen by the proxy", "worker",
                                        "phase")

@@ -6,6 +6,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import msgspec
+
 from ..fleet.worker import Inflight, Worker
 from ..intake.prepare import Prepared
 from ..planner.types import RouteRequest
@@ -41,6 +43,12 @@ class Attempt:
     t_dispatch: float = 0.0
     reason: str = ""  # why the policy chose this worker (its Decision's reason; "retry" on a retry)
     tries: int = 1  # this attempt's number (1: the first worker tried)
+    # The decode leg of a prefill/decode pair (router/upstream/pair.py): the prefill
+    # worker's `kv_transfer_params` exactly as it wrote them (sent on to this worker),
+    # that worker's id and the prompt tokens whose KV it offers.
+    kv_transfer: msgspec.Raw | None = None
+    prefill_worker: str | None = None
+    kv_moved_tokens: int | None = None
 
     def predicted_ttft(self) -> float | None:
         """The predicted TTFT from dispatch, with what requests the gateway sent to the same
@@ -54,6 +62,10 @@ class Attempt:
         """Which worker served, and what the planner expected (loadtest/replay.py reads these).
         Sent with the first token, so the prediction includes the revisions until then."""
         hdrs = [(b"x-kvroute-worker", self.worker.id.encode()), (b"x-request-id", self.prep.request_id.encode())]
+        if self.prefill_worker is not None:
+            hdrs += [(b"x-kvroute-prefill-worker", self.prefill_worker.encode()),
+                     (b"x-kvroute-decode-worker", self.worker.id.encode()),
+                     (b"x-kvroute-kv-moved-tokens", b"%d" % (self.kv_moved_tokens or 0))]
         p = self.predicted_ttft()
         if p is not None:
             hdrs.append((b"x-kvroute-predicted-ttft-ms", b"%.3f" % (p * 1000)))

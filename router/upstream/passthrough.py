@@ -42,6 +42,17 @@ class _AnyObject(msgspec.Struct):
 _check_json = msgspec.json.Decoder(_AnyObject).decode
 
 
+def client_body(prep: Prepared, w: Worker) -> dict[str, Any]:
+    """The client's body as the worker gets it: its model name and `cache_salt` set."""
+    assert prep.raw is not None
+    body: dict[str, Any] = dict(prep.raw)
+    body["model"] = prep.lora or w.served_model or prep.model.id
+    salt = prep.plan.wire_salt
+    if salt:
+        body["cache_salt"] = salt
+    return body
+
+
 class PassThrough:
     def __init__(self, client: UpstreamClient, pool: WorkerPool, observer: Observer) -> None:
         # Streams to plain-http workers go over the client's lean transport (callbacks, no
@@ -52,14 +63,12 @@ class PassThrough:
         self.timeouts = client.timeouts
 
     def payload(self, a: Attempt) -> bytes:
-        """The client's body with the routing additions (module doc)."""
-        prep, w = a.prep, a.worker
-        assert prep.raw is not None
-        body: dict[str, Any] = dict(prep.raw)
-        body["model"] = prep.lora or w.served_model or prep.model.id
-        salt = prep.plan.wire_salt
-        if salt:
-            body["cache_salt"] = salt
+        """The client's body with the routing additions (module doc); on the decode leg of
+        a pair, the prefill worker's `kv_transfer_params` as it wrote them."""
+        prep = a.prep
+        body = client_body(prep, a.worker)
+        if a.kv_transfer is not None:
+            body["kv_transfer_params"] = a.kv_transfer
         if prep.stream:
             so = body.get("stream_options")
             so = {**(so if isinstance(so, dict) else {}), "include_usage": True}
@@ -166,7 +175,7 @@ class PassThrough:
         return status
 
     async def _relay_whole(self, a: Attempt, resp: aiohttp.ClientResponse, out: Out) -> int:
-        body = await _read_whole(resp, a.worker, self.timeouts.idle_timeout_s)
+        body = await read_whole(resp, a.worker, self.timeouts.idle_timeout_s)
         return await self._whole_body(a, resp.headers.get("content-type") or "", body, out)
 
     async def _whole_body(self, a: Attempt, ctype: str, body: bytes, out: Out) -> int:
@@ -327,7 +336,7 @@ async def _read(resp: aiohttp.ClientResponse, w: Worker) -> bytes:
                             phase="first") from None
 
 
-async def _read_whole(resp: aiohttp.ClientResponse, w: Worker, idle_s: float) -> bytes:
+async def read_whole(resp: aiohttp.ClientResponse, w: Worker, idle_s: float) -> bytes:
     """A whole answer, each read within `idle_s` (a worker that stops mid-body is
     stuck); nothing was sent to the client yet, so any failure is retryable."""
     chunks: list[bytes] = []

@@ -37,6 +37,24 @@ from .proxy import JSON_SSE, UpstreamError, UpstreamStream, sse_payloads, status
 _enc = msgspec.json.Encoder()
 
 
+def worker_body(prep: Prepared, w: Worker) -> dict[str, Any]:
+    """What the relay sends a worker: token ids, streamed with usage, plus what routing adds."""
+    body: dict[str, Any] = {
+        "model": prep.lora or w.served_model or prep.model.id,
+        "prompt": prep.ids.tolist(),
+        "max_tokens": prep.max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    body.update(prep.sampling)
+    salt = prep.plan.wire_salt
+    if salt:
+        body["cache_salt"] = salt
+    if w.kind == "kvroute":
+        body["kv"] = {"shared_prefix_blocks": prep.plan.shared_blocks, "request_id": prep.rid}
+    return body
+
+
 class Relay:
     def __init__(self, client: UpstreamClient, pool: WorkerPool, observer: Observer) -> None:
         # Plain-http workers are relayed over the client's lean transport (callbacks, no
@@ -47,21 +65,12 @@ class Relay:
         self.metrics = observer.metrics
         self.timeouts = client.timeouts
 
-    def payload(self, prep: Prepared, w: Worker) -> bytes:
-        """The upstream body: token ids, always streamed with usage, plus what routing adds."""
-        body: dict[str, Any] = {
-            "model": prep.lora or w.served_model or prep.model.id,
-            "prompt": prep.ids.tolist(),
-            "max_tokens": prep.max_tokens,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        body.update(prep.sampling)
-        salt = prep.plan.wire_salt
-        if salt:
-            body["cache_salt"] = salt
-        if w.kind == "kvroute":
-            body["kv"] = {"shared_prefix_blocks": prep.plan.shared_blocks, "request_id": prep.rid}
+    def payload(self, prep: Prepared, w: Worker, kv_transfer: msgspec.Raw | None = None) -> bytes:
+        """The upstream body: token ids, always streamed with usage, plus what routing adds
+        (on the decode leg of a pair, the prefill worker's `kv_transfer_params` as it wrote them)."""
+        body = worker_body(prep, w)
+        if kv_transfer is not None:
+            body["kv_transfer_params"] = kv_transfer
         return _enc.encode(body)
 
     async def run(self, a: Attempt, out: Out) -> int:
@@ -77,8 +86,8 @@ class Relay:
         t = self.timeouts
         # the engine's id stays ours (unique in flight); the client's own id travels beside it
         hdrs = JSON_SSE if a.prep.request_id == a.prep.rid else {**JSON_SSE, "x-request-id": a.prep.request_id}
-        up = await self.client.stream(url, self.payload(a.prep, w), w, t.first_byte_s(a.predicted), a.rec.ticket,
-                                      hdrs)
+        body = self.payload(a.prep, w, a.kv_transfer)
+        up = await self.client.stream(url, body, w, t.first_byte_s(a.predicted), a.rec.ticket, hdrs)
         a.rec.ticket.abort = up.close  # the worker died: end this request now
         self.pool.accepted(a.rec)
         try:
@@ -161,7 +170,7 @@ class Relay:
         ex = self.client.exchange(self, a)
         a.rec.ticket.abort = ex.abort
         try:
-            batch = await self.client.open(ex, key, "/v1/completions", self.payload(prep, w), extra,
+            batch = await self.client.open(ex, key, "/v1/completions", self.payload(prep, w, a.kv_transfer), extra,
                                            t.first_byte_s(a.predicted), lambda: self.pool.accepted(a.rec))
             if batch is None:
                 status = ex.status or 0

@@ -289,3 +289,41 @@ def test_up_refuses_flags_of_the_other_fleet() -> None:
     r = subprocess.run([sys.executable, "-m", "kvroute.cli", "up", "--sim", "--num-blocks", "64"],
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "real engine" in r.stderr
+
+
+def test_up_pd_plans_prefill_and_decode_workers_and_a_pair_policy(tmp_path: Path) -> None:
+    """`--pd P:D`: the engine commands carry each worker's role, the gateway's config lists
+    the roles and routes by pd_cost (the config's own pair policy is kept)."""
+    from kvroute.cli import build_parser
+    from kvroute.up import fleet_config, real_worker_cmds
+    from router.config import load_config
+
+    a = build_parser().parse_args(["up", "--pd", "1:2", "--engine-arg=--no-calibrate"])
+    cmds = real_worker_cmds(a, plan_ports(3, 9000, None), tmp_path)
+    assert [wid for wid, _ in cmds] == ["p0", "d0", "d1"]
+    for (wid, cmd), role in zip(cmds, ("prefill", "decode", "decode"), strict=True):
+        assert cmd[cmd.index("--role") + 1] == role and cmd[cmd.index("--worker-id") + 1] == wid
+        assert cmd[-1] == "--no-calibrate"
+    cfg = load_config(str(ROOT / "configs" / "default.yaml"))
+    fleet_config(cfg, a, [("p0", "http://127.0.0.1:9000"), ("d0", "http://127.0.0.1:9001"),
+                          ("d1", "http://127.0.0.1:9002")])
+    assert [(w.id, w.role, w.kind) for w in cfg.workers] == [
+        ("p0", "prefill", "kvroute"), ("d0", "decode", "kvroute"), ("d1", "decode", "kvroute")]
+    assert cfg.routing.policy == "pd_cost" and cfg.routing.params == {}
+    cfg.routing.policy = "pd_prefix"
+    fleet_config(cfg, a, [("p0", "http://127.0.0.1:9000"), ("d0", "http://127.0.0.1:9001")])
+    assert cfg.routing.policy == "pd_prefix"
+    # without --pd: workers of role both, no --role flag, the config's policy
+    b = build_parser().parse_args(["up", "--workers", "2"])
+    assert all("--role" not in cmd for _, cmd in real_worker_cmds(b, plan_ports(2, 9000, None), tmp_path))
+    cfg = load_config(str(ROOT / "configs" / "default.yaml"))
+    fleet_config(cfg, b, [("w0", "http://127.0.0.1:9000")])
+    assert cfg.workers[0].role == "both" and cfg.routing.policy == "kv_cost"
+
+
+def test_up_pd_refuses_bad_splits_and_other_fleets() -> None:
+    for args, said in ((["--pd", "0:1"], "at least one"), (["--pd", "2"], "expected P:D"),
+                       (["--pd", "1:1", "--sim"], "not --sim"), (["--pd", "1:1", "--workers", "2"], "--workers")):
+        r = subprocess.run([sys.executable, "-m", "kvroute.cli", "up", *args],
+                           cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and said in r.stderr, (args, r.stderr)

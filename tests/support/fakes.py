@@ -67,6 +67,11 @@ class FakeWorker:
     api_key: str | None = None  # like `vllm --api-key`, but on every path: 401 without `Bearer <key>`
     authorized_paths: list[str] = field(default_factory=list)  # paths of the requests that carried the key
     unauthorized: list[str] = field(default_factory=list)  # paths refused for want of it
+    # A vLLM prefill server with a KV connector: a request whose `kv_transfer_params` ask
+    # for a remote decode is answered with these bytes as its answer's `kv_transfer_params`.
+    kv_transfer_answer: bytes | None = None
+    role: str = "both"  # how the gateway's config registers it
+    bodies: list[bytes] = field(default_factory=list)  # each completion request's body, as sent
     port: int = 0
 
     @property
@@ -187,6 +192,7 @@ class FakeWorker:
                 await self._probe(msgspec.json.decode(body), reply)
                 return
             self.completion_headers.append(hdrs)
+            self.bodies.append(body)
             await self._complete(msgspec.json.decode(body), reply, send, receive, path.endswith("chat/completions"))
         else:
             await reply(404, {"error": {"message": "no", "type": "x", "param": None, "code": None}})
@@ -220,7 +226,11 @@ class FakeWorker:
             return
         if not req.get("stream") or self.stream_as_json:
             await asyncio.sleep(self.first_delay_s)
-            await reply(200, _whole(chat, n, usage))
+            whole = _whole(chat, n, usage)
+            kvp = req.get("kv_transfer_params")
+            if self.kv_transfer_answer is not None and isinstance(kvp, dict) and kvp.get("do_remote_decode"):
+                whole["kv_transfer_params"] = msgspec.Raw(self.kv_transfer_answer)
+            await reply(200, whole)
             return
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
         me = asyncio.current_task()

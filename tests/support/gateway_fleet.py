@@ -44,7 +44,8 @@ async def fleet(
     async with AsyncExitStack() as st:
         for f in fakes:
             await st.enter_async_context(serve_fake(f))
-        cfg.workers = cfg.workers + [WorkerConfig(id=f.worker_id, url=f.url, model=MODEL, kind=f.kind)
+        cfg.workers = cfg.workers + [WorkerConfig(id=f.worker_id, url=f.url, model=MODEL, kind=f.kind,  # type: ignore[arg-type]
+                                                  role=f.role)
                                      for f in fakes]
         gw, url = await st.enter_async_context(running_gateway(cfg, ready_timeout=5.0 if ready else None))
         try:
