@@ -3,7 +3,6 @@ routing against worker-level routing through the server's own balancer."""
 from __future__ import annotations
 
 import random
-from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -25,7 +24,7 @@ PROMPT_BLOCKS = 32  # 2,048-token prompts
 def _settings(servers: int, dp: int, routing: str) -> SimSettings:
     fleet = FleetSpec(workers=servers, profile=sized_profile(gpu_tokens=150_000), block_size=BLOCK, tiers="gpu",
                       dp=dp, dp_routing=routing)
-    return replace(SimSettings(fleet=fleet))
+    return SimSettings(fleet=fleet)
 
 
 def _req(i: int, t: float, prompt: int) -> TraceRequest:
@@ -119,7 +118,7 @@ def test_balancer_picks_the_lowest_waiting_times_4_plus_running() -> None:
 
 
 def test_a_server_reports_its_ranks_summed_and_offers_no_prefetch() -> None:
-    fleet = DPFleet(replace(_settings(2, 3, "server").fleet))
+    fleet = DPFleet(_settings(2, 3, "server").fleet)
     assert sorted(fleet.engines) == ["w0", "w1"] and len(fleet.ranks) == 6
     srv = fleet.engines["w0"]
     assert isinstance(srv, DPServer)
