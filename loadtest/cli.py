@@ -79,7 +79,8 @@ def _sim_settings(args: argparse.Namespace, tiers: str) -> Any:
     return SimSettings(
         fleet=FleetSpec(workers=sum(args.pd) if args.pd else args.workers, profile=args.profile, tiers=tiers,
                         block_size=args.block_size, remote_groups=args.remote_groups, max_waiting=args.max_waiting,
-                        pd=args.pd, pd_link_Bps=args.pd_link_gbps * 1e9 if args.pd_link_gbps else None),
+                        pd=args.pd, pd_link_Bps=args.pd_link_gbps * 1e9 if args.pd_link_gbps else None,
+                        dp=args.dp, dp_routing=args.dp_routing),
         router=_router_settings(args),
         speed=args.speed,
         vocab_size=args.vocab_size,
@@ -477,6 +478,12 @@ def _add_fleet_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pd-link-gbps", type=positive_float, default=None, metavar="GB/S",
                    help="the prefill->decode KV link in GB/s (each decode worker's PEER link; default: the "
                         "profile's, 25 GB/s for the H200 profiles)")
+    g.add_argument("--dp", type=int, default=1, metavar="R",
+                   help="data-parallel ranks per server: --workers servers of R ranks, each rank its own engine "
+                        "(loadtest/dp_fleet.py)")
+    g.add_argument("--dp-routing", choices=("rank", "server"), default="rank",
+                   help="with --dp: rank = every rank a worker of its own (the gateway); server = one worker per "
+                        "server, its ranks' events and loads merged, the rank chosen by vLLM's balancer")
     g.add_argument("--slo-ttft", type=positive_float, default=2.0, metavar="S",
                    help="goodput's TTFT SLO in seconds (default 2)")
     g.add_argument("--slo-tpot", type=positive_float, default=0.1, metavar="S",

@@ -79,6 +79,10 @@ class FleetSpec:
     # The P->D link's bandwidth (bytes/s): the profile's PEER link read bandwidth, which a
     # decode worker pulls the prompt's KV over; None: the profile's.
     pd_link_Bps: float | None = None
+    # Data-parallel servers (loadtest/dp_fleet.py): `workers` servers of `dp` ranks each,
+    # routed per rank ("rank") or per server through its own balancer ("server").
+    dp: int = 1
+    dp_routing: str = "rank"
 
     def role(self, i: int) -> str:
         """The role of the i-th worker."""
@@ -143,6 +147,10 @@ class Fleet:
         )
         self.engines[wid] = eng
         return eng
+
+    def all_engines(self) -> list[SimEngine]:
+        """Every engine serving now (their stats add up to the fleet's)."""
+        return list(self.engines.values())
 
     def remove(self, worker_id: str) -> SimEngine:
         eng = self.engines.pop(worker_id, None)

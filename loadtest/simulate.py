@@ -53,7 +53,8 @@ from workers.sim import SimEngine, SimRequest
 from workers.sim.engine import BadRequest, PrefetchQueueFull, QueueFull, Usage
 
 from .blockkeys import KeyCache, TraceKeyer
-from .fleet import Fleet, FleetSpec, parse_tiers, tiers_label
+from .dp_fleet import DPServer, make_fleet
+from .fleet import FleetSpec, parse_tiers, tiers_label
 from .results import RequestResult, Run, RunMeta
 from .router_model import Inflight, RouterSettings, SimRouter
 from .simstats import error_stats, fleet_stats, gateway_stats, prefetch_hidden_s, router_stats
@@ -143,7 +144,7 @@ class Simulation:
             raise TraceError(f"a disaggregated fleet (pd) is routed by the pair policies, not {policy!r}")
         profile = settings.fleet.resolved_profile()
         self.router = SimRouter(self.policy, profile.block_size, settings.router, true_state=self.true_state)
-        self.fleet = Fleet(settings.fleet, on_events=self.router.events_sink)
+        self.fleet = make_fleet(settings.fleet, on_events=self.router.events_sink)
         self.synth = synth or TokenSynth.for_trace(trace, vocab_size=settings.vocab_size, seed=settings.seed)
         if keys is None:
             keys = KeyCache(TraceKeyer(self.synth, self.fleet.profile.namespace()))
@@ -492,7 +493,7 @@ class Simulation:
             self.counters["retries"] += a.i < len(a.order) - 1
             return False
         self.router.accepted(rec, now)
-        res.worker = wid
+        res.worker = w.engine.placed(p.rid) if isinstance(w.engine, DPServer) else wid  # a server's: its rank
         res.predicted_ttft_s = p.predicted + p.hold_s if p.predicted is not None else None
         res.client_queue_s = p.hold_s
         res.prefetch_blocks = pf_blocks
@@ -616,7 +617,7 @@ class Simulation:
             policy=self.policy_name,
             trace=self.trace.name,
             speed=speed,
-            workers=self.settings.fleet.workers,
+            workers=self.settings.fleet.workers * self.settings.fleet.dp,
             profile=self.fleet.profile.name,
             tiers=tiers_label(parse_tiers(self.settings.fleet.tiers)),
             duration_s=duration,
@@ -626,7 +627,8 @@ class Simulation:
                     "seed": self.settings.seed,
                     "slo": {"ttft_s": self.settings.slo_ttft_s, "tpot_s": self.settings.slo_tpot_s},
                     "pd": list(self.settings.fleet.pd) if self.settings.fleet.pd is not None else None,
-                    "pd_link_Bps": self.settings.fleet.pd_link_Bps},
+                    "pd_link_Bps": self.settings.fleet.pd_link_Bps,
+                    "dp": self.settings.fleet.dp, "dp_routing": self.settings.fleet.dp_routing},
             stats=self._stats(steps, wall),
         )
         return Run(meta, self._results)
@@ -648,7 +650,7 @@ class Simulation:
             "sim_events": steps,
             "sim_rate_req_per_wall_s": round(len(self._results) / wall, 1) if wall > 0 else None,
             **router_stats(self.router.counters),
-            **fleet_stats(list(self.fleet.engines.values()) + self.removed, self.fleet.remotes),
+            **fleet_stats(self.fleet.all_engines() + self.removed, self.fleet.remotes),
             **self.counters,
         }
         if not self.true_state:
