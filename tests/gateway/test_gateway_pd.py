@@ -8,8 +8,8 @@ from typing import Any
 import aiohttp
 import msgspec
 import pytest
-from test_gateway_errors import DIGEST, MODEL, _cfg, fleet, wait_until
-from test_gateway_fakes import FakeWorker, serve_fake
+from fakes import FakeWorker, serve_fake
+from gateway_fleet import DIGEST, MODEL, _cfg, fleet, wait_until
 from test_gateway_routing import PROMPT, _explain, _store
 
 from router.fleet.fleetconfig import WorkerConfig
