@@ -34,7 +34,7 @@ from typing import ClassVar
 
 from kvindex.tiers import Tier
 
-from .base import PolicyBase, check_int
+from .base import RETRY_MIN_S, PolicyBase, check_int
 from .cost import RequestContext, estimate_worker
 from .load import at_cap, outstanding_requests, queue_seconds
 from .terms.cut import usable_blocks
@@ -203,6 +203,8 @@ class PairPolicyBase(PolicyBase):
             check_role(w.role)
         if not workers:
             return self._shed_capped(workers)
+        if not any(can_decode(w) for w in workers):  # nothing can answer: unavailable, not busy
+            return Decision(None, self.name, "no_workers", retry_after_s=RETRY_MIN_S * 2)
         ctx = RequestContext.build(req, workers)
         estimates: dict[str, Estimate] = {}
         for w in workers:

@@ -311,3 +311,92 @@ async def test_a_pin_whose_client_left_as_it_finished_is_still_released(lm: Load
         assert core.blocks.available() == core.blocks.num_blocks
     finally:
         await engine.close()
+
+
+# --------------------------------------------------------------------------- through the gateway
+
+
+def _pd_gateway_config(lm: LoadedModel, workers: list[tuple[str, str, str]]) -> Any:
+    from router.config import build_config
+
+    repo = Path(__file__).resolve().parents[2]
+    return build_config({
+        "models": [{"id": lm.model_id, "tokenizer": "assets/tiny-tokenizer", "profile": "tiny-cpu",
+                    "namespace": {"block_size": BLOCK}}],
+        "workers": [{"id": wid, "url": url, "model": lm.model_id, "kind": "kvroute", "role": role}
+                    for wid, url, role in workers],
+        "pool": {"load_poll_interval_s": 0.05, "health_interval_s": 0.1, "probe_timeout_s": 2.0},
+        "routing": {"policy": "pd_cost", "retries": 1},
+    }, repo / "configs", environ={})
+
+
+async def test_a_pair_through_the_gateway_streams_what_one_worker_computes(lm: LoadedModel, http: Any) -> None:
+    """The issue's end to end on our engine: a prefill-role and a decode-role worker behind the
+    gateway (pd_cost), the OpenAI SDK streaming a chat answer: greedy text equal to one `both`
+    worker's, the headers naming who prefilled, who decoded and how many tokens moved, and
+    the prefill worker's pins back to 0 once the decode worker pulled them."""
+    import openai
+
+    from router.server import running_gateway
+
+    p, d, ref = (await start_worker(lm, "p0", "prefill"), await start_worker(lm, "d0", "decode"),
+                 await start_worker(lm, "ref", "both"))
+    msgs = [{"role": "user", "content": "Tell me about caches and routers. " * 6}]
+    try:
+        st, want = await post_chat(http, ref.url, {"messages": msgs, "max_tokens": 8, "temperature": 0,
+                                                   "ignore_eos": True})
+        assert st == 200
+        cfg = _pd_gateway_config(lm, [("p0", p.url, "prefill"), ("d0", d.url, "decode")])
+        async with running_gateway(cfg, ready_timeout=20.0) as (gw, url):
+            deadline = time.monotonic() + 20
+            while len(gw.pool.routable(lm.model_id)) < 2:
+                assert time.monotonic() < deadline, "the pair did not register"
+                await asyncio.sleep(0.05)
+            c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+            try:
+                raw = await c.chat.completions.with_raw_response.create(
+                    model=lm.model_id, messages=msgs, max_tokens=8, temperature=0, stream=True,  # type: ignore[arg-type]
+                    extra_body={"ignore_eos": True})
+                text = "".join([ch.choices[0].delta.content or "" async for ch in raw.parse() if ch.choices])
+            finally:
+                await c.close()
+        assert text == want["choices"][0]["message"]["content"]
+        assert raw.headers["x-kvroute-prefill-worker"] == "p0" and raw.headers["x-kvroute-decode-worker"] == "d0"
+        assert int(raw.headers["x-kvroute-kv-moved-tokens"]) >= BLOCK
+        assert await wait_metric(http, p.url, "kvroute_worker_pd_pinned_blocks", 0, 5.0) == 0
+        assert await metric(http, p.url, "kvroute_worker_pd_pins_pulled_total") == 1
+    finally:
+        for w in (p, d, ref):
+            await w.stop()
+
+
+async def test_a_dead_decode_worker_is_a_clear_error_and_leaks_nothing(lm: LoadedModel, http: Any) -> None:
+    """The decode side gone: a request the gateway pairs before it notices gets its 502 (the
+    decode side failed after the prefill, no other decode worker to retry on), one after it
+    noticed a 503 (no worker can answer), never a 429 (busy); and the prefill worker's pins
+    are back within their bound."""
+    import openai
+
+    from router.server import running_gateway
+
+    p, d = await start_worker(lm, "p0", "prefill", pin_s=1.0), await start_worker(lm, "d0", "decode")
+    try:
+        cfg = _pd_gateway_config(lm, [("p0", p.url, "prefill"), ("d0", d.url, "decode")])
+        async with running_gateway(cfg, ready_timeout=20.0) as (gw, url):
+            deadline = time.monotonic() + 20
+            while len(gw.pool.routable(lm.model_id)) < 2:
+                assert time.monotonic() < deadline, "the pair did not register"
+                await asyncio.sleep(0.05)
+            await d.stop()
+            c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+            try:
+                for _ in range(2):  # before and after the health probes mark it down
+                    with pytest.raises(openai.APIStatusError) as ei:
+                        await c.completions.create(model=lm.model_id, prompt=PROMPT, max_tokens=4, temperature=0)
+                    assert ei.value.status_code in (502, 503), ei.value
+                    await asyncio.sleep(0.5)
+            finally:
+                await c.close()
+        assert await wait_metric(http, p.url, "kvroute_worker_pd_pinned_blocks", 0, 5.0) == 0
+    finally:
+        await p.stop()
