@@ -187,6 +187,15 @@ class GatewayServer(DrainingServer):
     def handle_hup(self, sig: int, frame: FrameType | None) -> None:
         self._hup = True
 
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """uvicorn's handlers, without its re-raising of the signal once the graceful stop
+        is done: raised inside the event loop, a Ctrl-C cancels what is still closing (the
+        app's lifespan) and logs a traceback for a clean stop."""
+        with super().capture_signals():
+            yield
+            self._captured_signals.clear()
+
     async def on_tick(self, counter: int) -> bool:
         if self.gw.stopping and not self._announced:
             self._announced = True
