@@ -304,10 +304,9 @@ class PrefixIndex:
         candidates (e.g. those serving the request's model and healthy). A worker with
         KV-cache groups (hybrid models) is credited what the engine's hybrid rule would
         serve, no longer than `max_blocks` (`(prompt_tokens - 1) // block_size`, the
-        blocks an engine may reuse: a window must end there), see docs/kv-groups.md.
+        blocks an engine may reuse: a window must end there), see docs/kv-groups.md; a
+        single-group worker's leading run is reported whole (the planner caps its use).
         """
-        if max_blocks is not None and max_blocks < len(digests):
-            digests = digests[: max(0, max_blocks)]
         t = self._slots
         alive = t.active if include_draining else t.routable
         if workers is not None:
@@ -324,7 +323,11 @@ class PrefixIndex:
         hybrid = alive & t.hybrid
         if hybrid:
             out = self._match_leading(alive ^ hybrid, digests) if alive ^ hybrid else {}
-            out.update(self._match_hybrid(hybrid, digests))
+            # only a hybrid worker's match depends on where the prompt's reuse ends (its windows
+            # must end there); a single-group worker's leading run is the same either way
+            capped = digests if max_blocks is None or max_blocks >= len(digests) else digests[: max(0, max_blocks)]
+            if capped:
+                out.update(self._match_hybrid(hybrid, capped))
             return out
         return self._match_leading(alive, digests)
 

@@ -11,6 +11,7 @@ from kvindex.tiers import Tier
 from router.planner import explain, make_policy
 from router.planner.pd import check_role
 from router.planner.terms.kv_transfer import (
+    UNKNOWN_PAIR_LINK,
     kv_bytes_per_token,
     kv_transfer_bytes,
     kv_transfer_seconds,
@@ -191,3 +192,12 @@ def test_a_fleet_without_decode_workers_or_all_capped_sheds():
     ws = [view("p0", "prefill"), view("p1", "prefill")]
     d = make_policy("pd_cost").choose(request(1000), ws)
     assert d.worker_id is None and d.retry_after_s is not None
+
+
+def test_a_pair_nobody_described_is_still_priced():
+    """vLLM workers registered without `cost:` have no PEER link: the pair is priced over
+    the stated default link (and chosen), never shed as if it could not move KV."""
+    bare = [WorkerView("p0", cost(links={}), role="prefill"), WorkerView("d0", cost(links={}), role="decode")]
+    assert transfer_link(bare[0], bare[1]) is UNKNOWN_PAIR_LINK
+    d = make_policy("pd_cost").choose(request(512), bare)
+    assert d.worker_id == "d0" and d.prefill_worker_id == "p0" and math.isfinite(d.predicted_ttft or math.inf)

@@ -37,13 +37,21 @@ def kv_transfer_bytes(tokens: int, cost: CostParams) -> float:
     return max(0, tokens) * kv_bytes_per_token(cost)
 
 
-def transfer_link(src: WorkerView, dst: WorkerView, pair_links: PairLinks | None = None) -> Link | None:
-    """The link KV moves over from `src` to `dst`: the pair's own entry, else `dst`'s PEER link."""
+# A pair nobody described (a vLLM fleet with no `cost:` says nothing of its connector's
+# link): priced as a 10-gigabit-class path, so a disaggregated fleet is routed at all; a
+# stated link (the worker's PEER link, or the pair's own) replaces it, and the decode
+# worker's calibrated PEER scale corrects it where the worker reports its loads.
+UNKNOWN_PAIR_LINK = Link(read_Bps=1.25e9, latency_s=1e-3)
+
+
+def transfer_link(src: WorkerView, dst: WorkerView, pair_links: PairLinks | None = None) -> Link:
+    """The link KV moves over from `src` to `dst`: the pair's own entry, else `dst`'s PEER
+    link, else UNKNOWN_PAIR_LINK."""
     if pair_links:
         link = pair_links.get((src.worker_id, dst.worker_id))
         if link is not None:
             return link
-    return dst.cost.links.get(Tier.PEER)
+    return dst.cost.links.get(Tier.PEER) or UNKNOWN_PAIR_LINK
 
 
 def kv_transfer_seconds(tokens: int, cost: CostParams, link: Link | None, scale: float = 1.0) -> float:
