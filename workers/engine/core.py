@@ -19,10 +19,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import msgspec
 import torch
 
-from kvindex.events import BlockRemoved, BlockStored, KVEvent
+from kvindex.events import KVEvent
 from kvindex.keys import BlockHasher, Namespace
 from kvindex.tiers import Tier
 from kvwire import BlockCounts, LoadReport, NamespaceInfo, Speeds, WorkerInfo
@@ -33,8 +32,10 @@ from workers.usage import Usage
 from .blocks import BlockManager, EvictedBlock, EvictHook
 from .detok import OutputText
 from .engineconfig import EngineConfig, resolve_num_blocks
+from .group_events import per_group
 from .kvpool import KVPool
-from .model import KVGroup, LoadedModel
+from .model import LoadedModel
+from .pd import PdPin
 from .runner import ModelRunner
 from .sampler import Sampler
 from .scheduler import Scheduler, StepPlan
@@ -63,18 +64,6 @@ class StepResult:
     prefill_times: list[tuple[int, int, float]] = field(default_factory=list)  # (n, context, seconds)
     decode_time: float | None = None
     end: float = 0.0
-
-
-@dataclass(slots=True, eq=False)
-class PdPin:
-    """The prompt blocks a prefill for a remote decode keeps for the decode worker: `bids`
-    referenced (not evictable, not offloaded) until every key of `pending` was exported to a
-    peer or `deadline` (the engine clock) passed."""
-
-    keys: list[bytes]
-    bids: list[int]
-    pending: set[bytes]
-    deadline: float
 
 
 @dataclass(slots=True)
@@ -606,22 +595,3 @@ class EngineCore:
         if tiers is None:
             return ["purge"]
         return ["prefetch", "peer_pull", "purge"] if Tier.PEER in tiers.links else ["prefetch", "purge"]
-
-
-def per_group(events: list[KVEvent], groups: list[KVGroup] | None) -> list[KVEvent]:
-    """The events as vLLM publishes them for a model with KV groups (sliding-window
-    layers): each block event once per group, with the group's index, kind and window.
-    Every pool block holds every layer, so every group holds what the event names.
-    `groups` None (full attention only): the events as they are, without group fields."""
-    if not groups:
-        return events
-    out: list[KVEvent] = []
-    for e in events:
-        if isinstance(e, BlockStored):
-            out.extend(msgspec.structs.replace(e, group_idx=g.index, kv_cache_spec_kind=g.kind,
-                                               kv_cache_spec_sliding_window=g.window) for g in groups)
-        elif isinstance(e, BlockRemoved):
-            out.extend(msgspec.structs.replace(e, group_idx=g.index) for g in groups)
-        else:
-            out.append(e)
-    return out

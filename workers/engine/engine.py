@@ -33,7 +33,8 @@ from workers.errors import BadRequest, Draining, EngineError, ModelNotFound, Pre
 from workers.fleetkeys import peer_bearer
 
 from .blockio import record_of
-from .core import EngineCore, SeqUpdate, per_group
+from .core import EngineCore, SeqUpdate
+from .group_events import per_group
 from .loop import EngineThread
 from .model import EngineTokenizer
 from .pd import PeerPullFailed, PeerPullTimeout, RemotePrefill, prefill_answer

@@ -118,3 +118,15 @@ def prefill_answer(*, worker_id: str, url: str, request_id: str, keys: list[byte
         "kvroute_pin_id": pin_id,
         "kvroute_pin_s": pin_s,
     }
+
+
+@dataclass(slots=True, eq=False)
+class PdPin:
+    """The prompt blocks a prefill for a remote decode keeps for the decode worker: `bids`
+    referenced (not evictable, not offloaded) until every key of `pending` was exported to a
+    peer or `deadline` (the engine clock) passed."""
+
+    keys: list[bytes]
+    bids: list[int]
+    pending: set[bytes]
+    deadline: float
