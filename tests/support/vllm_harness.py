@@ -257,6 +257,27 @@ def tiny_model_folder(dest: Path) -> Path:
     return dest
 
 
+def worker_entry(worker_id: str, server: VllmServer, **extra: Any) -> dict[str, Any]:
+    """A server as a `kind: vllm` entry of the gateway's config (its block size and event
+    endpoints), plus `extra` fields (auth, role, data_parallel_size, ...)."""
+    return {"id": worker_id, "url": server.url, "kind": "vllm", "block_size": BLOCK_SIZE, **extra,
+            "events": {"endpoint": server.events_endpoint, "replay_endpoint": server.replay_endpoint}}
+
+
+def gateway_config(model: Path, workers: list[dict[str, Any]], policy: str = "kv_cost") -> Any:
+    """The gateway config the live tests run: the tiny model's tokenizer from `model`, index
+    blocks of 16, fast polls. router is imported here: this module also runs in the vLLM venv."""
+    from router.config import build_config
+
+    return build_config({
+        "models": [{"id": SERVED_NAME, "tokenizer": str(model), "max_context_tokens": 4096,
+                    "namespace": {"block_size": 16}}],
+        "workers": workers,
+        "pool": {"load_poll_interval_s": 0.1, "health_interval_s": 0.5, "unhealthy_after": 2},
+        "routing": {"policy": policy},
+    }, environ={})
+
+
 def tiny_hybrid_model_folder(dest: Path, window: int = 64) -> Path:
     """A tiny random Gemma-2 (4 layers alternating sliding-window and full attention, the
     same sizes and tokenizer as tiny_model_folder) into `dest`: a hybrid model whose KV

@@ -20,7 +20,6 @@ import pytest
 import vllm_harness as vh
 from gateway_fleet import wait_until
 
-from router.config import build_config
 from router.server import running_gateway
 
 pytestmark = pytest.mark.slow
@@ -40,15 +39,7 @@ def dp_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
 
 
 def _config(server: vh.VllmServer, model: Path) -> Any:
-    return build_config({
-        "models": [{"id": NAME, "tokenizer": str(model), "max_context_tokens": 4096,
-                    "namespace": {"block_size": 16}}],
-        "workers": [{"id": "v", "url": server.url, "kind": "vllm", "block_size": vh.BLOCK_SIZE,
-                     "data_parallel_size": 2,
-                     "events": {"endpoint": server.events_endpoint, "replay_endpoint": server.replay_endpoint}}],
-        "pool": {"load_poll_interval_s": 0.1, "health_interval_s": 0.5, "unhealthy_after": 2},
-        "routing": {"policy": "kv_cost"},
-    }, environ={})
+    return vh.gateway_config(model, [vh.worker_entry("v", server, data_parallel_size=2)])
 
 
 def _prompt(topic: str) -> str:

@@ -21,7 +21,6 @@ import pytest
 import vllm_harness as vh
 from gateway_fleet import wait_until
 
-from router.config import build_config
 from router.server import running_gateway
 
 pytestmark = pytest.mark.slow
@@ -42,18 +41,7 @@ def keyed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 
 
 def _config(server: vh.VllmServer, model: Path, auth: dict[str, Any] | None) -> Any:
-    worker: dict[str, Any] = {"id": "v0", "url": server.url, "kind": "vllm", "block_size": vh.BLOCK_SIZE,
-                              "events": {"endpoint": server.events_endpoint,
-                                         "replay_endpoint": server.replay_endpoint}}
-    if auth is not None:
-        worker["auth"] = auth
-    return build_config({
-        "models": [{"id": NAME, "tokenizer": str(model), "max_context_tokens": 4096,
-                    "namespace": {"block_size": 16}}],
-        "workers": [worker],
-        "pool": {"load_poll_interval_s": 0.1, "health_interval_s": 0.5, "unhealthy_after": 2},
-        "routing": {"policy": "kv_cost"},
-    }, environ={})
+    return vh.gateway_config(model, [vh.worker_entry("v0", server, **({} if auth is None else {"auth": auth}))])
 
 
 def test_the_server_wants_its_key(keyed: tuple[vh.VllmServer, Path]) -> None:

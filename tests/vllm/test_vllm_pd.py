@@ -23,7 +23,6 @@ import pytest
 import vllm_harness as vh
 from gateway_fleet import wait_until
 
-from router.config import build_config
 from router.server import running_gateway
 
 pytestmark = pytest.mark.slow
@@ -45,15 +44,9 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 
 
 def _config(servers: list[vh.VllmServer], model: Path) -> Any:
-    return build_config({
-        "models": [{"id": NAME, "tokenizer": str(model), "max_context_tokens": 4096,
-                    "namespace": {"block_size": 16}}],
-        "workers": [{"id": f"v{i}", "url": s.url, "kind": "vllm", "block_size": vh.BLOCK_SIZE, "role": role,
-                     "events": {"endpoint": s.events_endpoint, "replay_endpoint": s.replay_endpoint}}
-                    for i, (s, role) in enumerate(zip(servers, ("prefill", "decode"), strict=True))],
-        "pool": {"load_poll_interval_s": 0.1, "health_interval_s": 0.5, "unhealthy_after": 2},
-        "routing": {"policy": "pd_cost"},
-    }, environ={})
+    return vh.gateway_config(model, [vh.worker_entry(f"v{i}", s, role=role)
+                                     for i, (s, role) in enumerate(zip(servers, ("prefill", "decode"), strict=True))],
+                             "pd_cost")
 
 
 async def test_a_pair_prefills_on_one_server_and_decodes_on_the_other(

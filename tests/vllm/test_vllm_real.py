@@ -28,7 +28,6 @@ import zmq
 from gateway_fleet import wait_until
 
 from kvindex.events import BlockStored, EventDecoder
-from router.config import build_config
 from router.server import running_gateway
 from router.telemetry.observe import predicted_cached_tokens
 
@@ -110,15 +109,7 @@ LONG = [{"role": "system", "content": "You are a terse assistant. " * 3},
 
 
 def _config(servers: list[vh.VllmServer], model: Path) -> Any:
-    return build_config({
-        "models": [{"id": NAME, "tokenizer": str(model), "max_context_tokens": 4096,
-                    "namespace": {"block_size": 16}}],
-        "workers": [{"id": f"v{i}", "url": s.url, "kind": "vllm", "block_size": vh.BLOCK_SIZE,
-                     "events": {"endpoint": s.events_endpoint, "replay_endpoint": s.replay_endpoint}}
-                    for i, s in enumerate(servers)],
-        "pool": {"load_poll_interval_s": 0.1, "health_interval_s": 0.5, "unhealthy_after": 2},
-        "routing": {"policy": "kv_cost"},
-    }, environ={})
+    return vh.gateway_config(model, [vh.worker_entry(f"v{i}", s) for i, s in enumerate(servers)])
 
 
 @pytest.fixture
