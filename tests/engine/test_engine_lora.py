@@ -23,7 +23,7 @@ from typing import Any
 import aiohttp
 import pytest
 import torch
-from engine_rig import _redis, below_cpu, make_core, prompt, run, to_cpu
+from engine_rig import _redis, below_cpu, make_core, prompt, reference, run, to_cpu
 from safetensors.torch import load_file, save_file
 
 from kvindex.events import BlockStored
@@ -84,18 +84,6 @@ def merged(base: LoadedModel, folder: Path) -> Any:
 def refs(models: tuple[LoadedModel, LoadedModel, dict[str, Path]]) -> dict[str | None, Any]:
     base, _, folders = models
     return {None: base.model, **{n: merged(base, f) for n, f in folders.items()}}
-
-
-def reference(model: Any, ids: list[int], n: int) -> tuple[list[int], torch.Tensor]:
-    """Greedy tokens and the prompt's last logits from plain forwards (no reuse across requests)."""
-    with torch.inference_mode():
-        out = model(torch.tensor([ids]), use_cache=True)
-        first = out.logits[0, -1].float().clone()
-        toks: list[int] = []
-        for _ in range(n):
-            toks.append(int(out.logits[0, -1].argmax()))
-            out = model(torch.tensor([[toks[-1]]]), cache=out.cache, use_cache=True)
-    return toks, first
 
 
 def check_exact(refs: dict[str | None, Any], lora: str | None, ids: list[int], toks: list[int],

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from engine_rig import _redis, below_cpu, make_core, prompt, run, to_cpu
+from engine_rig import _redis, below_cpu, make_core, prompt, reference, run, to_cpu
 
 from kvindex.events import BlockRemoved, BlockStored
 from kvindex.index import PrefixIndex
@@ -49,18 +49,6 @@ def lm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory)
 @pytest.fixture(scope="module")
 def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     yield from _redis(tmp_path_factory.mktemp("redis"))
-
-
-def reference(model: Any, ids: list[int], n: int) -> tuple[list[int], torch.Tensor]:
-    """Greedy tokens and the prompt's last logits from plain forwards with transformers' own cache."""
-    with torch.inference_mode():
-        out = model(torch.tensor([ids]), use_cache=True)
-        first = out.logits[0, -1].float().clone()
-        toks: list[int] = []
-        for _ in range(n):
-            toks.append(int(out.logits[0, -1].argmax()))
-            out = model(torch.tensor([[toks[-1]]]), cache=out.cache, use_cache=True)
-    return toks, first
 
 
 def check_exact(lm: LoadedModel, ids: list[int], toks: list[int], logits: torch.Tensor) -> None:

@@ -108,3 +108,16 @@ def run(core: EngineCore, reqs: list[tuple[str, list[int], str | None]],
             for u in core.commit(plan, res):
                 toks[u.seq.request_id] += u.token_ids
     return {rid: (toks[rid], first[rid], s) for rid, s in seqs.items()}
+
+
+def reference(model: Any, ids: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens and the prompt's last logits from plain forwards with transformers' own
+    cache (no reuse across requests): what the engine must equal."""
+    with torch.inference_mode():
+        out = model(torch.tensor([ids]), use_cache=True)
+        first = out.logits[0, -1].float().clone()
+        toks: list[int] = []
+        for _ in range(n):
+            toks.append(int(out.logits[0, -1].argmax()))
+            out = model(torch.tensor([[toks[-1]]]), cache=out.cache, use_cache=True)
+    return toks, first
