@@ -88,13 +88,12 @@ class Preparer:
             tenant = self.tenancy.authenticate(headers)
         if len(body) >= SCREEN_BYTES:
             await self._screen(chat, body)
-        raw, req, model, prompt = self._decode(chat, body)
+        raw, req, model, prompt, lora = self._decode(chat, body)
         self._check_chars(chat, model, prompt)
         ids = await self._tokenize(chat, model, prompt, req, tenant.id)
         n = len(ids)
         mt = self._check_lengths(chat, req, model, n)
         tk = time.perf_counter()
-        lora = req.model if req.model in model.adapters and self.models.get(req.model) is None else None
         plan = model.key_plan(ids, tenant.salt, req.cache_salt, lora)
         keys_s = time.perf_counter() - tk
         sampling = {k: v for k in SAMPLING_FIELDS if (v := getattr(req, k)) is not None}
@@ -108,16 +107,19 @@ class Preparer:
 
     def _decode(
         self, chat: bool, body: bytes
-    ) -> tuple[dict[str, Any], ChatRequest | CompletionRequest, ModelRuntime, Any]:
-        """The raw body, its typed view, its model, and what to key (messages, text or ids)."""
+    ) -> tuple[dict[str, Any], ChatRequest | CompletionRequest, ModelRuntime, Any, str | None]:
+        """The raw body, its typed view, its model, what to key (messages, text or ids), and
+        the LoRA adapter the `model` names (None: a model's own name)."""
         raw, req = decode_request(body, chat)
-        model = self.models.get(req.model) or self.models.adapter_of(req.model)  # a model, or an adapter's base
+        model, lora = self.models.get(req.model), None
+        if model is None:  # an adapter's name: its base model's runtime
+            model, lora = self.models.adapter_of(req.model), req.model
         if model is None:
             raise model_not_found(req.model)
         if isinstance(req, ChatRequest):
-            return raw, req, model, check_chat(req, self.limits.max_messages)
+            return raw, req, model, check_chat(req, self.limits.max_messages), lora
         assert isinstance(req, CompletionRequest)
-        return raw, req, model, check_completion(req, model.tokenizer.vocab_size)
+        return raw, req, model, check_completion(req, model.tokenizer.vocab_size), lora
 
     async def _screen(self, chat: bool, body: bytes) -> None:
         """A large body's prompt refused for length before the body is decoded (screen.py):
